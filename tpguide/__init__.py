@@ -1,0 +1,8 @@
+"""tpguide: a tensor-parallel worker for exact grammar-guided LLM generation.
+
+Every rank holds a slice of every weight, including a vocabulary slice of the
+LM head, and applies its own slice of the grammar's token bitmask to its own
+logits shard.  See ``DESIGN.md`` in the shared folder for the contract.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,10 @@
+"""Process groups, the tensor-parallel group object and thin collectives.
+
+This package is the only place that calls ``torch.distributed`` or reads the
+torchrun environment (house rule 1 and 2).
+"""
+
+from tpguide.dist.group import TPGroup, init_tp_group, destroy_tp_group
+from tpguide.dist import collectives
+
+__all__ = ["TPGroup", "init_tp_group", "destroy_tp_group", "collectives"]

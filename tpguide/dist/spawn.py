@@ -1,0 +1,82 @@
+"""Run a function on ``tp_size`` local CPU ranks over gloo, for tests and benchmarks.
+
+``run_on_ranks(fn, tp_size, *args)`` starts one process per rank with the
+torchrun environment variables set, so each process builds its group with the
+real :func:`~tpguide.dist.group.init_tp_group`, calls ``fn(group, *args)`` and
+sends back the (picklable) result.  Results come back in rank order.  A rank
+that raises makes the call raise with that rank's traceback; a rank that
+hangs past ``timeout_s`` makes it raise ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(tp_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(tp_size),
+        TPGUIDE_BACKEND="gloo",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    from tpguide.dist.group import destroy_tp_group, init_tp_group
+
+    try:
+        group = init_tp_group(backend="gloo", timeout_s=120)
+        result = fn(group, *args)
+        queue.put((rank, True, result))
+        destroy_tp_group(group)
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.0) -> List[Any]:
+    """Call ``fn(group, *args)`` on ``tp_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable (a module-level function).  Raises
+    ``RuntimeError`` naming the failing rank, or ``TimeoutError``.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, tp_size, port, fn, args, queue), daemon=True)
+        for r in range(tp_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        for _ in range(tp_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout_s)
+            except Exception as exc:  # queue.Empty
+                raise TimeoutError(f"ranks did not all report within {timeout_s} s; got {sorted(results)}") from exc
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {tp_size} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(tp_size)]

@@ -1,0 +1,1 @@
+"""Model side: config, tensor-parallel layers, architectures, weight loading."""
