@@ -1,0 +1,22 @@
+"""Shared fixtures: the embedded real model and a tiny random-weight model with its tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The embedded SmolLM2-135M-Instruct, converted once (file-locked across xdist workers)."""
+    from tpguide.model.default_model import default_model_dir
+
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_model_path):
+    """A 2-layer random Llama (9 heads / 3 KV heads, vocab 49152) with SmolLM2's tokenizer."""
+    from tpguide.model.random_checkpoint import write_random_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return str(write_random_checkpoint(out, tokenizer_dir=default_model_path, seed=1))

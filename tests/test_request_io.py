@@ -1,0 +1,52 @@
+"""Request lines: parsing, per-line errors, atomic output writing."""
+
+import json
+
+import pytest
+
+from tpguide.engine.request_io import load_outputs, parse_request_lines, write_outputs
+from tpguide.engine.request import RequestOutput
+from tpguide.engine.sampling_params import SamplingParams
+
+
+def _line(**kw):
+    base = {"id": "x", "prompt": "hi"}
+    base.update(kw)
+    return json.dumps(base)
+
+
+def test_good_line_parses_with_defaults():
+    (req,) = parse_request_lines([_line(temperature=0.5, seed=3)], default_max_tokens=9)
+    assert req.sampling_params == SamplingParams(max_tokens=9, temperature=0.5, seed=3)
+    assert req.finish_reason is None and req.prompt == "hi"
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("{not json", "bad request line 2"),
+        (_line(colour="red"), "unknown request field"),
+        (json.dumps({"id": "x"}), "exactly one of 'prompt' or 'messages'"),
+        (_line(max_tokens=0), "max_tokens must be >= 1, got 0"),
+        (_line(temperature=-1), "temperature must be a number >= 0, got -1"),
+        (_line(top_p=1.5), "top_p"),
+        (json.dumps({"id": "x", "messages": [{"role": "user"}]}), "'role' and 'content'"),
+    ],
+)
+def test_bad_lines_fail_alone(line, needle):
+    good = _line(id="ok")
+    reqs = parse_request_lines([good, line, good], default_max_tokens=4)
+    assert [r.finish_reason for r in reqs] == [None, "error", None]
+    assert needle in reqs[1].error
+    assert [r.index for r in reqs] == [0, 1, 2]
+
+
+def test_outputs_are_written_atomically_in_order(tmp_path):
+    path = tmp_path / "out.jsonl"
+    outs = [RequestOutput(id=str(i), text=f"t{i}", token_ids=[i], finish_reason="stop", error=None)
+            for i in range(3)]
+    write_outputs(str(path), outs)
+    lines = path.read_text().splitlines()
+    assert [json.loads(l)["id"] for l in lines] == ["0", "1", "2"]
+    assert list(load_outputs(str(path))) == ["0", "1", "2"]
+    assert not list(tmp_path.glob("*.tmp"))

@@ -1,0 +1,1 @@
+"""Engine: requests, scheduler, sampler inputs, vocab-parallel sampler, the SPMD loop."""

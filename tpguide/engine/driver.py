@@ -1,0 +1,215 @@
+"""Driver-side bookkeeping: prompts, scheduling, grammar matchers, outputs.
+
+Lives on tp_rank 0 only.  Everything here is per request and fails per
+request: a bad prompt, a grammar that does not compile, a dead end or a
+matcher error finishes that request with ``finish_reason="error"`` and a
+message, and the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from tqdm import tqdm
+
+from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.scheduler import ScheduledRequest, Scheduler
+from tpguide.engine.step_plan import StepPlan, build_step_plan
+from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
+from tpguide.model.vocab_shard import VocabShard
+
+
+class Driver:
+    """Owns the requests of one :meth:`Engine.generate` call.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    stop_token_ids : list of int
+        Ids that end a request with ``finish_reason="stop"``.
+    shard : VocabShard
+        The driver's vocab shard (for ``padded_vocab_size``).
+    config : EngineConfig
+    """
+
+    def __init__(self, tokenizer, stop_token_ids: List[int], shard: VocabShard, config) -> None:
+        self.tokenizer = tokenizer
+        self.stop_token_ids = set(stop_token_ids)
+        self.config = config
+        self.padded_vocab_size = shard.padded_vocab_size
+        self._backend = None  # built on the first guided request (takes a few seconds)
+        self.guided: Optional[GuidedDecoder] = None
+        self.requests: List[Request] = []
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.step = 0
+        self._bar: Optional[tqdm] = None
+        self._scheduled: List[ScheduledRequest] = []
+
+    # ------------------------------------------------------------ admission
+    def _guided_decoder(self) -> GuidedDecoder:
+        if self.guided is None:
+            self._backend = make_backend(self.config.guided_backend, self.tokenizer,
+                                         self.padded_vocab_size, sorted(self.stop_token_ids))
+            self.guided = GuidedDecoder(self._backend, self.padded_vocab_size,
+                                        self.config.max_num_seqs)
+        return self.guided
+
+    def tokenize(self, req: Request) -> List[int]:
+        """Prompt token ids: chat template for ``messages``, plain encoding for ``prompt``."""
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                      tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(req.prompt)["input_ids"])
+
+    def _prepare(self, req: Request) -> None:
+        """Tokenize, check lengths, compile the grammar; raises ValueError on bad input."""
+        ids = self.tokenize(req)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        limit = self.config.max_model_len
+        total = len(ids) + req.sampling_params.max_tokens
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling_params.max_tokens}) = "
+                f"{total} exceeds max_model_len={limit}"
+            )
+        if req.structured_output is not None:
+            self._guided_decoder().backend.compile(req.structured_output)
+        req.prompt_token_ids = ids
+        if req.sampling_params.seed is not None:
+            req.seed = req.sampling_params.seed
+        else:
+            req.seed = (self.config.seed * 1_000_003 + req.index) % (2**63 - 1)
+
+    def start(self, requests: List[Request], progress: bool = False) -> None:
+        self.requests = list(requests)
+        self.step = 0
+        self._bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+        for req in self.requests:
+            if not req.is_finished:
+                try:
+                    self._prepare(req)
+                    self.scheduler.add(req)
+                except ValueError as exc:
+                    req.fail(str(exc))
+            if req.is_finished:
+                self._bar.update(1)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ one step
+    def schedule(self) -> List[ScheduledRequest]:
+        scheduled = self.scheduler.schedule()
+        for s in scheduled:
+            req = s.request
+            if s.start_position == 0 and req.structured_output is not None:
+                try:
+                    self._guided_decoder().add_request(s.slot, req.structured_output)
+                except ValueError as exc:
+                    req.fail(str(exc))
+        return scheduled
+
+    def build_plan(self, scheduled: List[ScheduledRequest]) -> Tuple[StepPlan, List[Optional[int]]]:
+        """The step plan plus, per sample row, the guided slot whose bitmask row it needs."""
+        guided_rows = [
+            s.slot if (s.samples and s.request.structured_output is not None
+                       and not s.request.is_finished) else None
+            for s in scheduled
+        ]
+        plan = build_step_plan(scheduled, guided=any(r is not None for r in guided_rows))
+        self._scheduled = scheduled
+        return plan, guided_rows
+
+    def fill_bitmask(self, guided_rows: Sequence[Optional[int]]):
+        """Runs in a worker thread while the forward runs."""
+        return self.guided.fill_bitmask(list(guided_rows))
+
+    def finish_bitmask(self, filled) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Fail dead-end rows' requests and drop them from ``token_mask``."""
+        token_bitmask, token_mask, dead_rows = filled
+        for row in dead_rows:
+            req = self._scheduled[row].request  # one sample row per scheduled request
+            req.fail(f"grammar dead end at step {self.step}: no token is allowed after "
+                     f"{len(req.output_token_ids)} generated tokens")
+            token_mask[row] = 0
+        return token_bitmask, token_mask
+
+    def split_for_ranks(self, token_bitmask: torch.Tensor, tp_size: int) -> List[torch.Tensor]:
+        return split_bitmask(token_bitmask, tp_size)
+
+    def process_outputs(self, scheduled: List[ScheduledRequest], out) -> None:
+        """Advance every scheduled request by this step's sampled token."""
+        self.step += 1
+        token_ids = out.token_ids.tolist()
+        bad = out.bad_rows.tolist() if getattr(out, "bad_rows", None) is not None else [False] * len(token_ids)
+        now = time.perf_counter()
+        for row, s in enumerate(scheduled):
+            req = s.request
+            req.num_computed_tokens += len(s.token_ids)
+            if not req.is_finished and s.samples:
+                if bad[row]:
+                    req.fail(f"non-finite logits at step {self.step} (all -inf or NaN)")
+                else:
+                    self._append(req, token_ids[row], out, row)
+                    req.first_token_time = req.first_token_time or now
+            if req.is_finished:
+                self._release(req)
+
+    def _append(self, req: Request, token: int, out, row: int) -> None:
+        req.output_token_ids.append(token)
+        if req.sampling_params.logprobs:
+            n = req.sampling_params.logprobs
+            req.output_logprobs.append({
+                "token_id": token,
+                "logprob": float(out.logprobs[row]),
+                "top": [[int(i), float(v)] for i, v in
+                        zip(out.top_logprob_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())],
+            })
+        if req.structured_output is not None:
+            try:
+                if not self.guided.accept_token(req.slot, token):
+                    req.fail(f"grammar matcher rejected token {token} at step {self.step}")
+                    return
+            except ValueError as exc:
+                req.fail(str(exc))
+                return
+            if self.guided.is_terminated(req.slot):
+                req.finish("stop")
+                return
+        if token in self.stop_token_ids:
+            req.finish("stop")
+        elif len(req.output_token_ids) >= req.sampling_params.max_tokens:
+            req.finish("length")
+        elif req.num_tokens >= self.config.max_model_len:
+            req.finish("length")
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None and self.scheduler.running.get(req.slot) is req:
+            if self.guided is not None and req.structured_output is not None:
+                self.guided.remove_request(req.slot)
+            self.scheduler.release(req)
+            if self._bar is not None:
+                self._bar.update(1)
+
+    # ------------------------------------------------------------ results
+    def finish(self) -> List[RequestOutput]:
+        """Outputs of every request, in input order."""
+        if self._bar is not None:
+            self._bar.close()
+        outputs = []
+        for req in self.requests:
+            ids = req.output_token_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+            elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
+            outputs.append(RequestOutput(
+                id=req.request_id, text=text, token_ids=list(ids),
+                finish_reason=req.finish_reason or "error", error=req.error,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                logprobs=req.output_logprobs if req.sampling_params.logprobs else None,
+                elapsed_s=elapsed,
+            ))
+        return outputs

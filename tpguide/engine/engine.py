@@ -1,0 +1,163 @@
+"""The SPMD generation loop shared by every rank.
+
+Per step (DESIGN.md §1)::
+
+    driver: schedule -> StepPlan --broadcast--> every rank
+    driver thread: fill the guided bitmask rows (overlaps the forward)
+    every rank: forward on its shard -> hidden [T, H] (replicated)
+                -> rows selected_token_indices -> LM-head shard [R, V_pad/T]
+    driver: dead-end rows fail their request (token_mask 0)
+            --broadcast token_mask, scatter bitmask word slices-->
+    every rank: apply its own bitmask slice in place, vocab-parallel sampling
+                (all-gather of per-rank (value, token id) candidates)
+    driver: append tokens, advance matchers, finish requests, free slots
+
+Only the driver talks to the user.  Non-driver ranks run
+:meth:`Engine.run_worker` until the driver's :meth:`Engine.shutdown`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from tpguide.dist import TPGroup
+from tpguide.dist import collectives as C
+from tpguide.engine.driver import Driver
+from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.sampler import sample
+from tpguide.engine.step_plan import StepPlan
+from tpguide.kernels import apply_token_bitmask_inplace
+from tpguide.model.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and choices (validated, never mutated).
+
+    Attributes
+    ----------
+    max_num_seqs : int
+        Requests running at once (KV-cache slots, guided bitmask rows).
+    max_num_batched_tokens : int
+        Token budget per step; longer prompts are prefilled in chunks.
+    max_model_len : int
+        Prompt plus generated tokens per request (KV-cache length).
+    guided_backend : {"xgrammar", "llguidance"}
+    seed : int
+        Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
+    dtype : torch.dtype
+        Weights and activations (logits are fp32).
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    guided_backend: str = "xgrammar"
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.guided_backend not in ("xgrammar", "llguidance"):
+            raise ValueError(f"guided_backend must be 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+class Engine:
+    """Generation over one TP group.  Build it on every rank with the same arguments.
+
+    Parameters
+    ----------
+    model : LlamaForCausalLM
+        This rank's shard (see :func:`tpguide.model.loader.load_model`).
+    group : TPGroup
+    config : EngineConfig
+    tokenizer : transformers tokenizer, optional
+        Needed on the driver only.
+    stop_token_ids : sequence of int, optional
+        Every end token of the model and its chat template (driver only).
+    """
+
+    def __init__(self, model, group: TPGroup, config: EngineConfig, tokenizer=None,
+                 stop_token_ids: Optional[Sequence[int]] = None) -> None:
+        self.model, self.group, self.config = model, group, config
+        self.shard = model.vocab_shard
+        model.allocate_kv_cache(config.max_num_seqs, config.max_model_len)
+        self.driver: Optional[Driver] = None
+        if group.is_driver:
+            if tokenizer is None:
+                raise ValueError("the driver needs a tokenizer")
+            self.driver = Driver(tokenizer, list(stop_token_ids or []), self.shard, config)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+
+    # ------------------------------------------------------------------ driver
+    def generate(self, requests: List[Request], progress: bool = False) -> List[RequestOutput]:
+        """Run ``requests`` to completion (driver only); outputs in input order.
+
+        Requests that fail validation or decoding finish with
+        ``finish_reason="error"``; the others are unaffected.
+        """
+        assert self.driver is not None, "generate() runs on the driver; other ranks run run_worker()"
+        drv = self.driver
+        drv.start(requests, progress=progress)
+        while drv.has_work():
+            scheduled = drv.schedule()
+            if not scheduled:
+                break
+            plan, guided_rows = drv.build_plan(scheduled)
+            future = self._pool.submit(drv.fill_bitmask, guided_rows) if plan.guided else None
+            C.broadcast_object(plan, self.group)
+            out = self._execute(plan, future)
+            drv.process_outputs(scheduled, out)
+        return drv.finish()
+
+    def shutdown(self) -> None:
+        """Tell every rank to leave its loop (driver), then free the thread pool."""
+        if self.group.is_driver:
+            C.broadcast_object(StepPlan.stop_plan(), self.group)
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ others
+    def run_worker(self) -> None:
+        """Follow the driver's plans until it sends the stop plan (non-driver ranks)."""
+        assert not self.group.is_driver
+        while True:
+            plan: StepPlan = C.broadcast_object(None, self.group)
+            if plan.stop:
+                break
+            self._execute(plan, None)
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ all ranks
+    def _execute(self, plan: StepPlan, bitmask_future):
+        """Forward, LM-head shard, own bitmask slice, vocab-parallel sampling."""
+        dev = self.group.device
+        meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
+        hidden = self.model(plan.input_ids.to(dev), plan.positions.to(dev), meta)  # [T, H]
+        rows = plan.selected_token_indices.to(device=dev, dtype=torch.int64)
+        logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
+        if plan.guided:
+            self._apply_bitmask(logits, bitmask_future)
+        return sample(logits, plan.sampling.to(dev), self.shard, self.group)
+
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask_future) -> None:
+        num_rows = logits.shape[0]
+        words = self.shard.bitmask_size // self.group.tp_size
+        token_mask = torch.zeros(num_rows, dtype=torch.int32)
+        chunks = None
+        if self.group.is_driver:
+            token_bitmask, token_mask = self.driver.finish_bitmask(bitmask_future.result())
+            chunks = self.driver.split_for_ranks(token_bitmask, self.group.tp_size)
+        token_mask = C.broadcast_tensor(token_mask.to(self.group.device), self.group)
+        local = torch.empty((num_rows, words), dtype=torch.int32, device=self.group.device)
+        C.scatter_tensor(local, None if chunks is None else [c.to(self.group.device) for c in chunks],
+                         self.group)
+        apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
+                                    vocab_start_index=self.shard.vocab_start_index)

@@ -1,0 +1,64 @@
+"""Offline batch generation on one TP group: build an engine, run request lines.
+
+The same functions serve ``launch/generate.py`` (torchrun) and the
+multi-rank tests (:func:`tpguide.dist.spawn.run_on_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Sequence
+
+from tpguide.dist import TPGroup
+from tpguide.dist import collectives as C
+from tpguide.engine.engine import Engine, EngineConfig
+from tpguide.engine.request import RequestOutput
+from tpguide.engine.request_io import parse_request_lines
+
+
+def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
+    """Load this rank's model shard (and, on the driver, the tokenizer).
+
+    ``model_dir=None`` selects the embedded default model (converted once to
+    safetensors by the driver while the other ranks wait).
+
+    Raises
+    ------
+    ValueError
+        Missing model directory, unusable tp size, checkpoint/config mismatch.
+    """
+    from tpguide.model.default_model import default_model_dir
+    from tpguide.model.loader import load_model
+
+    model_dir = str(model_dir) if model_dir else str(default_model_dir(group=group))
+    tokenizer = stop_ids = None
+    if group.is_driver:
+        from transformers import AutoTokenizer
+
+        from tpguide.guided import collect_stop_token_ids
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        stop_ids = collect_stop_token_ids(tokenizer, model_dir)
+    tokenizer_vocab_size = C.broadcast_object(len(tokenizer) if tokenizer is not None else None, group)
+    model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size)
+    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids)
+
+
+def generate_on_group(group: TPGroup, model_dir: Optional[str], request_dicts: Sequence[Dict[str, Any]],
+                      config: EngineConfig, default_max_tokens: int = 64) -> List[Dict[str, Any]]:
+    """Run ``request_dicts`` on the group; every rank returns the driver's outputs.
+
+    Returns
+    -------
+    list of dict
+        One output line (:meth:`RequestOutput.to_json`) per request, input order.
+    """
+    engine = build_engine(group, model_dir, config)
+    outputs: Optional[List[RequestOutput]] = None
+    if group.is_driver:
+        requests = parse_request_lines([json.dumps(r) for r in request_dicts], default_max_tokens)
+        outputs = [o.to_json() for o in engine.generate(requests)]
+        engine.shutdown()
+    else:
+        engine.run_worker()
+    return C.broadcast_object(outputs, group)

@@ -1,0 +1,129 @@
+"""Requests files (JSON lines in) and outputs (JSON lines out).
+
+Request line (field names follow vLLM's structured-outputs parameters)::
+
+    {"id": str, "messages": [{"role": ..., "content": ...}, ...] | "prompt": str,
+     "structured_output": {"json": schema} | {"regex": str} | {"choice": [str]}
+                          | {"grammar": str} | {"json_object": true}
+                          | {"structural_tag": ...} | null,
+     "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
+     "seed": int, "logprobs": int}
+
+A line that cannot be parsed or validated becomes a request that is already
+finished with ``finish_reason="error"``: it still gets its output line, in
+input order, and nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Dict, Iterable, List, Tuple
+
+from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.sampling_params import SamplingParams
+
+REQUEST_FIELDS = frozenset(
+    {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
+     "top_k", "top_p", "seed", "logprobs"}
+)
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
+
+
+def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:
+    """Build a :class:`Request` from one decoded request line.
+
+    Raises
+    ------
+    ValueError
+        Unknown fields, missing or doubled prompt, malformed messages, bad
+        sampling values or structured-output parameters.  The message names
+        the offending values.
+    """
+    from tpguide.guided.params import StructuredOutputsParams
+
+    if not isinstance(obj, dict):
+        raise ValueError(f"a request line must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - REQUEST_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown request field(s) {unknown}; allowed: {sorted(REQUEST_FIELDS)}")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise ValueError("a request needs exactly one of 'prompt' or 'messages'")
+    if has_prompt and not isinstance(obj["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
+    messages = obj.get("messages")
+    if has_messages:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+    kwargs = {k: obj[k] for k in _SAMPLING_FIELDS if k in obj and obj[k] is not None}
+    kwargs.setdefault("max_tokens", default_max_tokens)
+    sampling = SamplingParams(**kwargs)
+    structured = StructuredOutputsParams.from_request(obj.get("structured_output"))
+    return Request(
+        request_id=str(obj.get("id", index)),
+        index=index,
+        sampling_params=sampling,
+        prompt=obj.get("prompt"),
+        messages=messages,
+        structured_output=structured,
+    )
+
+
+def parse_request_lines(lines: Iterable[str], default_max_tokens: int) -> List[Request]:
+    """Parse every non-blank line; a bad line yields an already-failed request."""
+    requests: List[Request] = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        index = len(requests)
+        raw_id = str(index)
+        try:
+            obj = json.loads(line)
+            if isinstance(obj, dict) and "id" in obj:
+                raw_id = str(obj["id"])
+            requests.append(request_from_dict(obj, index, default_max_tokens))
+        except (ValueError, TypeError) as exc:
+            bad = Request(request_id=raw_id, index=index, sampling_params=SamplingParams())
+            bad.fail(f"bad request line {line_no}: {exc}")
+            requests.append(bad)
+    return requests
+
+
+def read_requests(path: str, default_max_tokens: int) -> List[Request]:
+    """Read a JSON-lines requests file (see the module docstring)."""
+    with open(path, encoding="utf-8") as f:
+        return parse_request_lines(f, default_max_tokens)
+
+
+def write_outputs(path: str, outputs: Iterable[RequestOutput]) -> None:
+    """Write one JSON line per output, atomically (temporary file + rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tpguide-", suffix=".jsonl.tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for out in outputs:
+                f.write(json.dumps(out.to_json(), ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_outputs(path: str) -> Dict[str, Dict[str, Any]]:
+    """Outputs already on disk, by request id (for ``--resume``)."""
+    done: Dict[str, Dict[str, Any]] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    obj = json.loads(line)
+                    done[str(obj["id"])] = obj
+    return done

@@ -1,0 +1,500 @@
+"""Exact, TP-invariant sampling over a vocabulary-sharded logits tensor (DESIGN.md §6).
+
+Each rank holds ``logits_shard`` ``[rows, V_local]`` for global ids
+``[vocab_start_index, vocab_end_index)`` and never sees the full row.  The
+same request, seed and position give the same token (and bit-identical
+logprobs) for tp_size 1, 2, 3, 4:
+
+* **ranking keys.**  A token's (fp32 logit, global id) pair is packed into one
+  int64 whose order is "larger logit first, lower id on ties" and that is
+  unique per token (:func:`_order_keys`).  Maxima and top-k selections of keys
+  are therefore unambiguous, whatever the shard layout or the topk kernel.
+* **greedy**: max key per rank, all-gathered, max wins.
+* **temperature** (no top-k/top-p): Gumbel-max, ``argmax(logits / T + g)``
+  with ``g`` from :mod:`tpguide.engine.random_stream`, a pure function of
+  ``(seed, sample_position, global_token_id)``; each rank sends its winner
+  ``(score, key)``; max score wins, lowest id on ties.
+* **top-k / top-p**: each rank sends its top ``min(K, V_local)`` keys; the
+  merge keeps the global top ``K`` (identical for every tp_size); top-k keeps
+  ranks ``< k``; top-p keeps the shortest prefix (in key order) whose mass
+  under ``softmax(logits / T)`` reaches ``top_p`` (renormalised over the top-k
+  set when both are on, as in vLLM); Gumbel-max on the kept set with the same
+  noise.  ``K = max(top_k in batch, num_logprobs, TOP_P_CANDIDATES if a row
+  uses top-p alone)``, capped at ``org_vocab_size``.
+* **log-sum-exp**: global max from the gathered greedy keys, then
+  ``sum(exp(x - max))`` as fixed-point int64 (``2**44`` units per unit of
+  probability) all-reduced with ``op="sum"``; integer addition is
+  associative, so the sum is the same for every partition.
+
+Exactness conditions (each tested in ``tests/test_sampler.py``):
+
+* top-k is exact: the global top-k lies in the union of the local top-k.
+* top-p is exact when the nucleus lies inside the ``K`` merged candidates.
+  This is *checked*, not assumed: if the candidates of a top-p-only row hold
+  less than ``top_p`` of the mass (and more finite tokens exist), ``K`` grows
+  by ``TOP_P_GROWTH`` and the candidates are gathered again, up to all
+  ``org_vocab_size`` tokens.  Only that worst case (flat distributions) moves
+  ``O(rows * vocab)`` bytes.
+* Probabilities carry the fixed-point error of the sum, at most
+  ``V * 2**-45`` relative (1.4e-9 at V=49152); this moves a top-p boundary
+  only when a cumulative mass is that close to ``top_p`` and is the same on
+  every tp_size.  The uniforms have 32-bit resolution.
+* Padded ids (``>= org_vocab_size``) must already be ``-inf`` (DESIGN.md §2);
+  a row that would sample one is flagged in ``bad_rows``.
+* Bit-identity across tp sizes also rests on elementwise ops (division,
+  ``exp``, ``log``) giving an element the same result whatever the tensor's
+  width or offset on one device type (checked on CPU/AVX2; CUDA evaluates
+  every element with the same device function), and on every rank using the
+  same device type.
+
+Logprobs are those of ``log_softmax(logits)`` of the logits passed in, i.e.
+after the grammar bitmask and padding ``-inf`` but *before* temperature,
+top-k and top-p (vLLM's default ``raw_logprobs``).  A row that is all
+``-inf``, or holds a NaN or ``+inf``, is flagged in ``bad_rows`` (token id
+``-1``, logprob ``-inf``): it never turns into NaN silently.
+
+Bytes moved per step, default model (vocab 49152, tp 4, ``V_local`` 12288),
+per rank received by the all-gather (8 bytes per int64):
+
+=====================  ==============  ==============  ====================
+method                 rows = 8        rows = 32       full-logits gather
+=====================  ==============  ==============  ====================
+greedy / temperature   1 KiB           4 KiB           1.5 MiB / 6 MiB
+top-k 50               13.5 KiB        54 KiB
+top-p (K = 256)        65 KiB          260 KiB
+=====================  ==============  ==============  ====================
+
+plus one ``[rows, 2]`` int64 all-reduce (128 / 512 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from tpguide.dist import collectives
+from tpguide.dist.group import TPGroup
+from tpguide.engine.random_stream import gumbel_noise
+from tpguide.model.vocab_shard import VocabShard
+
+#: Candidates per rank for rows that use top-p without top-k (first round).
+TOP_P_CANDIDATES = 256
+#: Factor by which the candidate count grows when a nucleus does not fit.
+TOP_P_GROWTH = 8
+#: Temperatures below this are greedy (vLLM's sampling epsilon).
+MIN_TEMPERATURE = 1e-5
+_FIXED_ONE = 2.0**44  # fixed-point unit of sum_exp; 2**19 tokens * 2**44 < 2**63
+MAX_VOCAB_SIZE = 2**19
+_ID_SPAN = 2**32
+_COLS = 4  # greedy key, Gumbel score bits, Gumbel key, bad flag; then K candidate keys
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of one step (rows = sample rows, CPU or device).
+
+    Attributes
+    ----------
+    temperature : Tensor, float32 [rows]
+        ``>= 0``; below :data:`MIN_TEMPERATURE` means greedy.
+    top_k : Tensor, int32 [rows]
+        ``0`` or ``-1`` = off; ``>= org_vocab_size`` is off too.
+    top_p : Tensor, float32 [rows]
+        In ``(0, 1]``; ``1`` = off.
+    seeds : Tensor, int64 [rows]
+        Seed of each row's request (any 64-bit value).
+    sample_positions : Tensor, int64 [rows]
+        Absolute position of the token each row produces (tokens, ``>= 0``).
+    num_logprobs : int
+        Top-n logprobs to return per row (max over the batch); 0 = none.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Wrong shapes, dtypes or out-of-range values (the message names them).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    sample_positions: torch.Tensor
+    num_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        rows = self.temperature.shape
+        for name, dtypes in (("temperature", (torch.float32,)), ("top_k", (torch.int32, torch.int64)),
+                             ("top_p", (torch.float32,)), ("seeds", (torch.int64,)),
+                             ("sample_positions", (torch.int64,))):
+            t = getattr(self, name)
+            if t.dtype not in dtypes:
+                raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+            if t.dim() != 1 or t.shape != rows:
+                raise ValueError(f"{name} must be 1-D of shape {tuple(rows)}, got {tuple(t.shape)}")
+        if not bool(((self.temperature >= 0) & torch.isfinite(self.temperature)).all()):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature.tolist()}")
+        if not bool(((self.top_p > 0) & (self.top_p <= 1)).all()):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p.tolist()}")
+        if not bool((self.top_k >= -1).all()):
+            raise ValueError(f"top_k must be >= -1 (0 or -1 = off), got {self.top_k.tolist()}")
+        if not bool((self.sample_positions >= 0).all()):
+            raise ValueError(f"sample_positions must be >= 0, got {self.sample_positions.tolist()}")
+        if self.num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    def to(self, device: torch.device | str) -> "SamplingMetadata":
+        """A copy with every tensor on ``device`` (not in place)."""
+        moved = {f: getattr(self, f).to(device) for f in ("temperature", "top_k", "top_p", "seeds", "sample_positions")}
+        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Sampling result, identical on every rank (same device as the logits).
+
+    Attributes
+    ----------
+    token_ids : Tensor, int64 [rows]
+        Sampled global token ids; ``-1`` on bad rows.
+    logprobs : Tensor, float32 [rows]
+        ``log_softmax(logits)`` of the sampled token (raw, see module docstring).
+    top_logprob_ids, top_logprobs : Tensor, int64 / float32 [rows, num_logprobs]
+        The ``num_logprobs`` most likely tokens, larger logit first, lower id on ties.
+    bad_rows : Tensor, bool [rows]
+        All ``-inf``, a NaN or ``+inf`` in the row, or a padded id won: fail that request.
+    num_candidates : int
+        Candidates gathered per rank in the last round (diagnostics; 0 = none).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprob_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    bad_rows: torch.Tensor
+    num_candidates: int
+
+
+class _RowModes(NamedTuple):
+    greedy: torch.Tensor  # bool [rows], CPU
+    top_k_on: torch.Tensor
+    top_p_on: torch.Tensor
+    plain: torch.Tensor  # temperature sampling without top-k/top-p
+
+
+def _row_modes(meta: SamplingMetadata, org_vocab_size: int) -> _RowModes:
+    greedy = meta.temperature.cpu() < MIN_TEMPERATURE
+    top_k = meta.top_k.cpu()
+    k_on = (top_k >= 1) & (top_k < org_vocab_size) & ~greedy
+    p_on = (meta.top_p.cpu() < 1) & ~greedy
+    return _RowModes(greedy, k_on, p_on, ~greedy & ~k_on & ~p_on)
+
+
+def num_candidates(meta: SamplingMetadata, org_vocab_size: int) -> int:
+    """First-round candidate count ``K`` for a batch (see module docstring)."""
+    modes = _row_modes(meta, org_vocab_size)
+    k = meta.num_logprobs
+    if bool(modes.top_k_on.any()):
+        k = max(k, int(meta.top_k.cpu()[modes.top_k_on].max()))
+    if bool((modes.top_p_on & ~modes.top_k_on).any()):
+        k = max(k, TOP_P_CANDIDATES)
+    return min(k, org_vocab_size)
+
+
+def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered by (fp32 value ascending, id descending); unique per id.
+
+    The fp32 bit pattern is made monotone (flip the magnitude bits of
+    negatives, the radix-sort trick) and placed above ``2**32 - 1 - id``.
+    ``values`` must be fp32 with ``-0.0`` already turned into ``+0.0``.
+    """
+    bits = values.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered * _ID_SPAN + (_ID_SPAN - 1 - ids)
+
+
+def _key_ids(keys: torch.Tensor) -> torch.Tensor:
+    return (_ID_SPAN - 1) - (keys & (_ID_SPAN - 1))
+
+
+def _key_values(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values of :func:`_order_keys` keys, returned as float64 (exact)."""
+    ordered = keys >> 32
+    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(torch.int32).view(torch.float32).to(torch.float64)
+
+
+def local_candidates(
+    logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard, num_candidates: int
+) -> torch.Tensor:
+    """One rank's packed sampling candidates (pure; the all-gather payload).
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float [rows, V_local]
+        This rank's logits (bitmask applied); not modified.
+    meta : SamplingMetadata
+    shard : VocabShard
+        Gives ``vocab_start_index`` (global id of column 0) and ``org_vocab_size``.
+    num_candidates : int
+        ``K``; the rank sends its top ``min(K, V_local)`` keys.
+
+    Returns
+    -------
+    Tensor, int64 [rows, 4 + min(K, V_local)]
+        Columns: max key; Gumbel score (float64 bits; the max logit on rows
+        that are not plain temperature rows); key of the Gumbel winner; 1 if
+        the row holds a NaN or ``+inf``; then the top keys, largest first.
+    """
+    x = logits_shard.to(torch.float32) + 0.0  # [rows, V_local]; -0.0 -> +0.0
+    rows, width = x.shape
+    ids = torch.arange(shard.vocab_start_index, shard.vocab_start_index + width, device=x.device)
+    keys = _order_keys(x, ids)  # [rows, V_local]
+    max_key = keys.max(dim=-1).values
+    bad = (torch.isnan(x) | (x == float("inf"))).any(dim=-1)
+    # rows that are not plain temperature rows carry the greedy pair here (no noise)
+    score, winner_key = _key_values(max_key), max_key.clone()
+    plain = _row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
+    if plain.numel():
+        temp = meta.temperature.to(x.device, torch.float64)[plain]
+        seeds, positions = meta.seeds.to(x.device)[plain], meta.sample_positions.to(x.device)[plain]
+        noise = gumbel_noise(seeds, positions, ids)  # [P, V_local]
+        s = x[plain].to(torch.float64) / temp[:, None] + noise
+        best = s.argmax(dim=-1, keepdim=True)  # first maximum = lowest id on ties
+        score[plain] = s.gather(-1, best).squeeze(-1)
+        winner_key[plain] = keys[plain].gather(-1, best).squeeze(-1)
+    top = keys.topk(min(num_candidates, width), dim=-1).values  # sorted, largest first
+    head = torch.stack([max_key, score.view(torch.int64), winner_key, bad.to(torch.int64)], dim=-1)
+    return torch.cat([head, top], dim=-1)
+
+
+class Merged(NamedTuple):
+    """Global candidates after :func:`merge_candidates` (identical on every rank)."""
+
+    max_key: torch.Tensor  # int64 [rows]: greedy winner
+    gumbel_key: torch.Tensor  # int64 [rows]: plain temperature winner
+    bad: torch.Tensor  # bool [rows]
+    cand_keys: torch.Tensor  # int64 [rows, min(K, tp * V_local)], largest first
+
+
+def merge_candidates(stacked: torch.Tensor, num_candidates: int) -> Merged:
+    """Merge every rank's :func:`local_candidates` (pure).
+
+    Parameters
+    ----------
+    stacked : Tensor, int64 [tp_size, rows, 4 + K_local]
+        Rank ``r``'s payload in row ``r`` (from ``all_gather_stacked``).
+    num_candidates : int
+        ``K`` to keep (at most ``tp_size * K_local``).
+    """
+    tp, rows, _ = stacked.shape
+    scores = stacked[:, :, 1].view(torch.float64)  # [tp, rows]
+    g_keys = stacked[:, :, 2]
+    tied = scores == scores.max(dim=0, keepdim=True).values
+    # among the ranks with the best score, the one whose winner has the lowest id
+    tie_ids = torch.where(tied, _key_ids(g_keys), _ID_SPAN)
+    src = tie_ids.argmin(dim=0, keepdim=True)  # [1, rows]
+    cands = stacked[:, :, _COLS:].permute(1, 0, 2).reshape(rows, tp * (stacked.shape[2] - _COLS))
+    return Merged(
+        max_key=stacked[:, :, 0].max(dim=0).values,
+        gumbel_key=g_keys.gather(0, src).squeeze(0),
+        bad=stacked[:, :, 3].max(dim=0).values.bool(),
+        cand_keys=cands.topk(min(num_candidates, cands.shape[1]), dim=-1).values,
+    )
+
+
+def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+    """Fixed-point ``sum(exp(x - gmax))`` and ``sum(exp((x - gmax) / T))`` of one rank (pure).
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float [rows, V_local]
+    gmax : Tensor, float64 [rows]
+        Global max logit (finite; 0 on bad rows).
+    inv_temperature : Tensor, float64 [rows]
+
+    Returns
+    -------
+    Tensor, int64 [rows, 2]
+        Sums in units of ``2**-44``; add them over ranks.
+    """
+    d = logits_shard.to(torch.float64) - gmax[:, None]  # <= 0 on good rows
+    out = []
+    for scale in (None, inv_temperature):
+        e = torch.exp(d if scale is None else d * scale[:, None])
+        e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows
+        out.append(torch.round(e * _FIXED_ONE).to(torch.int64).sum(dim=-1))
+    return torch.stack(out, dim=-1)
+
+
+def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: SamplingMetadata,
+            org_vocab_size: int) -> tuple[SamplerOutput, torch.Tensor]:
+    """Choose every row's token from the merged candidates (pure, same on every rank).
+
+    Returns the output and ``needs_more`` bool [rows]: top-p-only rows whose
+    nucleus may extend past the candidates.
+    """
+    device = gmax.device
+    modes = _RowModes(*(m.to(device) for m in _row_modes(meta, org_vocab_size)))
+    temp = meta.temperature.to(device, torch.float64).clamp(min=MIN_TEMPERATURE)
+    token_key = torch.where(modes.plain, merged.gumbel_key, merged.max_key)
+    token_ids, token_x = _key_ids(token_key), _key_values(token_key)
+    needs_more = torch.zeros_like(modes.greedy)
+    filt = (modes.top_k_on | modes.top_p_on).nonzero().squeeze(-1)
+    if filt.numel():
+        keys = merged.cand_keys[filt]  # [F, K], largest first
+        cx, cid = _key_values(keys), _key_ids(keys)
+        k_on, p_on = modes.top_k_on[filt], modes.top_p_on[filt]
+        rank = torch.arange(keys.shape[1], device=device)
+        k_eff = torch.where(k_on, meta.top_k.to(device, torch.int64)[filt], keys.shape[1])
+        kept = (cx > float("-inf")) & (rank < k_eff[:, None])
+        if bool(p_on.any()):
+            d = (cx - gmax[filt, None]) / temp[filt, None]  # log-probs up to the normaliser
+            in_topk = torch.logsumexp(torch.where(kept, d, float("-inf")), dim=-1)
+            norm = torch.where(k_on, in_topk, log_norm[filt, 1])
+            prob = torch.where(kept, torch.exp(d - norm[:, None]), 0.0)
+            cum = prob.cumsum(dim=-1)
+            before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+            top_p = meta.top_p.to(device, torch.float64)[filt]
+            kept &= (before < top_p[:, None]) | ~p_on[:, None]
+            short = p_on & ~k_on & (cum[:, -1] < top_p) & (cx[:, -1] > float("-inf"))
+            needs_more[filt] = short & (keys.shape[1] < org_vocab_size)
+        seeds, positions = meta.seeds.to(device)[filt], meta.sample_positions.to(device)[filt]
+        noise = gumbel_noise(seeds, positions, cid)  # [F, K]
+        score = torch.where(kept, cx / temp[filt, None] + noise, float("-inf"))
+        tied = score == score.max(dim=-1, keepdim=True).values
+        pick = torch.where(tied, cid, _ID_SPAN).argmin(dim=-1, keepdim=True)  # lowest id on ties
+        token_ids[filt] = cid.gather(-1, pick).squeeze(-1)
+        token_x[filt] = cx.gather(-1, pick).squeeze(-1)
+    lse = gmax + log_norm[:, 0]
+    bad = merged.bad | ~torch.isfinite(_key_values(merged.max_key)) | (token_ids >= org_vocab_size)
+    n = min(meta.num_logprobs, merged.cand_keys.shape[1])
+    top = merged.cand_keys[:, :n]
+    out = SamplerOutput(
+        token_ids=torch.where(bad, -1, token_ids),
+        logprobs=torch.where(bad, float("-inf"), token_x - lse).to(torch.float32),
+        top_logprob_ids=_key_ids(top),
+        top_logprobs=torch.where(bad[:, None], float("-inf"), _key_values(top) - lse[:, None]).to(torch.float32),
+        bad_rows=bad,
+        num_candidates=merged.cand_keys.shape[1],
+    )
+    return out, needs_more
+
+
+PerRank = Callable[[torch.Tensor, VocabShard], torch.Tensor]
+
+
+class GroupExchange:
+    """The two collectives of :func:`sample_with_exchange` over a real :class:`TPGroup`."""
+
+    def __init__(self, logits_shard: torch.Tensor, shard: VocabShard, group: TPGroup) -> None:
+        self.logits_shard, self.shard, self.group = logits_shard, shard, group
+
+    def gather(self, fn: PerRank) -> torch.Tensor:
+        """``fn`` on this rank's shard, all-gathered: ``[tp_size, *shape]``."""
+        return collectives.all_gather_stacked(fn(self.logits_shard, self.shard), self.group)
+
+    def reduce_sum(self, fn: PerRank) -> torch.Tensor:
+        return collectives.all_reduce(fn(self.logits_shard, self.shard), self.group, op="sum")
+
+
+class ShardsByHand:
+    """Every rank's shard in one process: the exchange of shard-by-hand tests."""
+
+    def __init__(self, logits_shards: Sequence[torch.Tensor], shards: Sequence[VocabShard]) -> None:
+        self.pairs = list(zip(logits_shards, shards, strict=True))
+
+    def gather(self, fn: PerRank) -> torch.Tensor:
+        return torch.stack([fn(x, s) for x, s in self.pairs])
+
+    def reduce_sum(self, fn: PerRank) -> torch.Tensor:
+        return torch.stack([fn(x, s) for x, s in self.pairs]).sum(dim=0)
+
+
+def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) -> SamplerOutput:
+    """The sampling protocol over ``exchange`` (:class:`GroupExchange` or :class:`ShardsByHand`).
+
+    Every rank makes the same calls in the same order: gather candidates,
+    all-reduce the fixed-point sums, and (rarely) gather more candidates.
+    """
+    org = shard.org_vocab_size
+    k = num_candidates(meta, org)
+    merged = merge_candidates(exchange.gather(lambda x, s: local_candidates(x, meta, s, k)), k)
+    gmax = _key_values(merged.max_key)
+    gmax = torch.where(torch.isfinite(gmax), gmax, 0.0)
+    inv_t = 1.0 / meta.temperature.to(gmax.device, torch.float64).clamp(min=MIN_TEMPERATURE)
+    sums = exchange.reduce_sum(lambda x, s: local_sum_exp(x, gmax, inv_t))
+    log_norm = torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows, 2]
+    out, needs_more = _finish(merged, gmax, log_norm, meta, org)
+    while bool(needs_more.any()):  # same decision on every rank: the inputs are identical
+        k = min(k * TOP_P_GROWTH, org)
+        merged = merge_candidates(exchange.gather(lambda x, s: local_candidates(x, meta, s, k)), k)
+        out, needs_more = _finish(merged, gmax, log_norm, meta, org)
+    return out
+
+
+def _check(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard) -> None:
+    if shard.padded_vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"padded_vocab_size={shard.padded_vocab_size} > {MAX_VOCAB_SIZE} (fixed-point sum)")
+    want = (meta.num_rows, shard.num_embeddings_per_partition)
+    if tuple(logits_shard.shape) != want:
+        raise ValueError(f"logits_shard must have shape {want} [rows, V_local], got {tuple(logits_shard.shape)}")
+    if not logits_shard.is_floating_point():
+        raise TypeError(f"logits_shard must be floating point, got {logits_shard.dtype}")
+    if meta.num_logprobs > shard.org_vocab_size:
+        raise ValueError(f"num_logprobs={meta.num_logprobs} > org_vocab_size={shard.org_vocab_size}")
+
+
+def sample(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard, group: TPGroup) -> SamplerOutput:
+    """Sample one token per row from vocabulary-sharded logits; same result on every rank.
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float32 (or fp16/bf16, upcast exactly) [rows, V_local]
+        This rank's logits, ``V_local = shard.num_embeddings_per_partition``,
+        bitmask already applied, padded ids ``-inf``.  Not modified.
+    meta : SamplingMetadata
+        Identical on every rank.
+    shard : VocabShard
+        This rank's vocabulary slice (``shard.tp_rank == group.tp_rank``).
+    group : TPGroup
+        Called collectives: one all-gather, one all-reduce, more all-gathers
+        only when a top-p nucleus outgrows the candidates.
+
+    Returns
+    -------
+    SamplerOutput
+        On ``logits_shard``'s device, identical on every rank and for every tp_size.
+
+    Raises
+    ------
+    ValueError
+        Shape mismatch, shard/group mismatch, ``num_logprobs > org_vocab_size``
+        or a vocabulary above ``2**19`` tokens.
+    TypeError
+        Non-floating logits.
+    """
+    if (shard.tp_rank, shard.tp_size) != (group.tp_rank, group.tp_size):
+        raise ValueError(
+            f"shard is rank {shard.tp_rank} of {shard.tp_size} but group is rank {group.tp_rank} of {group.tp_size}"
+        )
+    _check(logits_shard, meta, shard)
+    return sample_with_exchange(GroupExchange(logits_shard, shard, group), meta, shard)
+
+
+def sample_by_hand(
+    logits_shards: Sequence[torch.Tensor], meta: SamplingMetadata, shards: Sequence[VocabShard]
+) -> SamplerOutput:
+    """:func:`sample` for all ranks in one process (stack instead of all-gather).
+
+    The single-process oracle of shard-by-hand tests: ``logits_shards[r]`` and
+    ``shards[r]`` are rank ``r``'s inputs.
+    """
+    for x, s in zip(logits_shards, shards, strict=True):
+        _check(x, meta, s)
+    return sample_with_exchange(ShardsByHand(logits_shards, shards), meta, shards[0])

@@ -1,0 +1,100 @@
+"""The step plan: what the driver broadcasts to every rank each step.
+
+Built on the driver from the scheduler's choice
+(:class:`~tpguide.engine.scheduler.ScheduledRequest`), sent with one
+``broadcast_object``, and turned by every rank into the same model inputs.
+Its size is ``O(num_tokens + num_sample_rows)`` integers; the token bitmask
+travels separately (each rank receives only its slice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from tpguide.engine.sampler import SamplingMetadata
+from tpguide.engine.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
+from tpguide.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepPlan:
+    """One step for every rank.
+
+    Attributes
+    ----------
+    input_ids, positions : torch.Tensor
+        int64 ``[num_tokens]``: flattened new tokens and their absolute positions.
+    seq_slots, query_lens, context_lens : list of int
+        Per scheduled sequence (batch order): KV slot, new tokens, cached tokens.
+    selected_token_indices : torch.Tensor
+        int32 ``[num_sample_rows]``: rows of the hidden states that go through
+        the LM head (DESIGN.md §4), the same on every rank.
+    sampling : SamplingMetadata
+        Per sample row: temperature, top-k, top-p, seed, sample position.
+    guided : bool
+        A bitmask (token_mask broadcast + slice scatter) follows the forward.
+    stop : bool
+        The driver has no more work: every rank leaves its loop.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_slots: List[int]
+    query_lens: List[int]
+    context_lens: List[int]
+    selected_token_indices: torch.Tensor
+    sampling: Optional[SamplingMetadata]
+    guided: bool = False
+    stop: bool = False
+
+    @classmethod
+    def stop_plan(cls) -> "StepPlan":
+        empty = torch.empty(0, dtype=torch.int64)
+        return cls(empty, empty, [], [], [], empty.int(), None, stop=True)
+
+
+def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> StepPlan:
+    """Flatten the scheduled requests into a :class:`StepPlan` (driver only).
+
+    Every scheduled request contributes one sample row (DESIGN.md §4: a
+    non-final prefill chunk's row is computed and its sample discarded).
+    """
+    seqs = [
+        ScheduledSeq(
+            query_len=len(s.token_ids),
+            num_computed_tokens=s.start_position,
+            prompt_len=len(s.request.prompt_token_ids),
+            is_prefill=s.is_prefill,
+            is_last_prefill_chunk=s.is_prefill and s.samples,
+        )
+        for s in scheduled
+    ]
+    inputs = prepare_sampler_inputs(seqs)
+    input_ids: List[int] = []
+    positions: List[int] = []
+    for s in scheduled:
+        input_ids.extend(s.token_ids)
+        positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
+    params = [s.request.sampling_params for s in scheduled]
+    rows = inputs.sample_row_to_seq.tolist()
+    sampling = SamplingMetadata(
+        temperature=torch.tensor([params[i].temperature for i in rows], dtype=torch.float32),
+        top_k=torch.tensor([params[i].top_k for i in rows], dtype=torch.int32),
+        top_p=torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
+        seeds=torch.tensor([scheduled[i].request.seed for i in rows], dtype=torch.int64),
+        sample_positions=inputs.sample_positions.to(torch.int64),
+        num_logprobs=max((p.logprobs for p in params), default=0),
+    )
+    return StepPlan(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        seq_slots=[s.slot for s in scheduled],
+        query_lens=[len(s.token_ids) for s in scheduled],
+        context_lens=[s.start_position for s in scheduled],
+        selected_token_indices=inputs.selected_token_indices,
+        sampling=sampling,
+        guided=guided,
+    )

@@ -1,0 +1,209 @@
+"""llguidance backend, after vLLM's ``backend_guidance.py``.
+
+Same :class:`~tpguide.guided.matcher.GrammarMatcher` semantics as the xgrammar
+backend; the differences:
+
+* ``grammar`` is **Lark** (llguidance's syntax, with ``%json`` and regex
+  terminals, start rule ``start``).  A GBNF grammar (``root ::= ...``) is
+  converted by llguidance's own ``gbnf_to_lark``, so plain GBNF works too, but
+  Lark is the native form; xgrammar takes GBNF only.
+* ``json_schema`` follows llguidance's JSON-schema compiler: properties the
+  schema does not list are *allowed* unless ``additionalProperties: false``
+  (xgrammar's strict mode forbids them); property order is the schema's.
+* ``regex`` is Rust-``regex`` syntax (no look-around, no back-references),
+  xgrammar's is ECMAScript-like; both match the whole output.
+* ``structural_tag`` only in the legacy form ``{"structures": [{"begin",
+  "schema", "end"}], "triggers": [...]}``; xgrammar's
+  ``{"type": "structural_tag", "format": ...}`` raises ValueError saying the
+  xgrammar backend supports it.
+* Invalid guides are detected by ``LLMatcher.validate_grammar`` at compile
+  time (llguidance does not raise; it puts matchers in an error state).
+* An ``LLMatcher`` that consumes a forbidden token enters a permanent error
+  state, so ``accept_token`` checks with ``validate_tokens`` first and keeps
+  the state on rejection, as xgrammar does.
+* A stop token consumed after the grammar has stopped is not recorded by
+  llguidance; the adapter keeps its own history so ``rollback`` counts it.
+* The compiled form is the validated grammar string; each matcher re-parses
+  it (about a millisecond for small grammars), where xgrammar shares a
+  compiled automaton with precomputed token masks.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+
+
+def _llguidance_message(text: str) -> str:
+    """llguidance's error text without its state dump."""
+    return text.split("\n<state>")[0].strip()
+
+
+def choice_as_lark(choices: list) -> str:
+    """Lark grammar matching exactly one of ``choices`` (JSON-escaped string literals)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """:class:`GrammarMatcher` over ``llguidance.LLMatcher``."""
+
+    def __init__(
+        self, ll_tokenizer: llguidance.LLTokenizer, grammar: str, stop_token_ids: list,
+        stop_bitmask_row: torch.Tensor,
+    ) -> None:
+        self._matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        self._vocab_size = ll_tokenizer.vocab_size
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._stop_bitmask_row = stop_bitmask_row
+        self._recorded: list[bool] = []  # per accepted token: did llguidance record it?
+        self._terminated = False
+        self._raise_if_error()
+
+    @property
+    def num_accepted_tokens(self) -> int:  # type: ignore[override]
+        return len(self._recorded)
+
+    def _raise_if_error(self) -> None:
+        if self._matcher.is_error():
+            raise RuntimeError(f"llguidance matcher error: {_llguidance_message(self._matcher.get_error())}")
+
+    def accept_token(self, token_id: int) -> bool:
+        token_id = int(token_id)
+        if self._terminated or not 0 <= token_id < self._vocab_size or self._matcher.is_error():
+            return False
+        is_stop = token_id in self._stop_token_ids
+        if is_stop and self._matcher.is_stopped():
+            # The grammar has ended; llguidance accepts EOS here without recording it.
+            self._recorded.append(False)
+        elif self._matcher.validate_tokens([token_id]) == 1 and self._matcher.consume_token(token_id):
+            self._recorded.append(True)
+        else:
+            return False
+        self._terminated = is_stop
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self._check_rollback(num_tokens)
+        if not num_tokens:
+            return
+        recorded = sum(self._recorded[-num_tokens:])
+        del self._recorded[-num_tokens:]
+        if recorded:
+            self._matcher.rollback(recorded)
+        self._terminated = False
+        self._raise_if_error()
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated:
+            bitmask[row].copy_(self._stop_bitmask_row)
+            return
+        self._raise_if_error()
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        self._raise_if_error()
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class LLGuidanceBackend(GuidedBackend):
+    """llguidance tokenizer and grammar validation for one tokenizer.
+
+    Parameters
+    ----------
+    tokenizer : transformers.PreTrainedTokenizerFast
+    padded_vocab_size : int
+        Bitmask width in tokens; must be at least the tokenizer's size.
+    stop_token_ids : list of int
+    any_whitespace : bool
+        JSON may contain any whitespace (llguidance's ``whitespace_flexible``).
+    cache_size : int
+
+    Raises
+    ------
+    ValueError
+        ``padded_vocab_size`` smaller than the tokenizer (use xgrammar there).
+    """
+
+    name = "llguidance"
+    supported_guide_types = frozenset(
+        {"json_schema", "json", "regex", "choice", "grammar", "structural_tag"}
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        padded_vocab_size: int,
+        stop_token_ids: list,
+        *,
+        any_whitespace: bool = True,
+        cache_size: int = 128,
+    ) -> None:
+        super().__init__(padded_vocab_size, stop_token_ids, cache_size)
+        if padded_vocab_size < len(tokenizer):
+            raise ValueError(
+                f"llguidance backend needs padded_vocab_size >= len(tokenizer), got "
+                f"{padded_vocab_size} < {len(tokenizer)}; the xgrammar backend supports this"
+            )
+        self.any_whitespace = any_whitespace
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
+        )
+
+    def _json_grammar(self, schema_text: str) -> str:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema_text, defaults={"whitespace_flexible": self.any_whitespace}
+        )
+
+    def _serialize(self, guide_type: str, guide_text: str) -> str:
+        if guide_type in ("json_schema", "json"):
+            return self._json_grammar(guide_text)
+        if guide_type == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(guide_text)
+        if guide_type == "choice":
+            return llguidance.LLMatcher.grammar_from_lark(choice_as_lark(json.loads(guide_text)))
+        if guide_type == "grammar":
+            return llguidance.grammar_from("grammar", guide_text)
+        tag = json.loads(guide_text)
+        if "structures" not in tag:
+            raise ValueError(
+                "llguidance supports only the legacy structural_tag form "
+                '{"structures": [...], "triggers": [...]}; the xgrammar backend supports '
+                f"{{\"type\": \"structural_tag\", \"format\": ...}} (got keys {sorted(tag)})"
+            )
+        triggers = tag["triggers"]
+        tags = []
+        for s in tag["structures"]:
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"structural_tag begin {s['begin']!r} starts with none of the triggers {triggers}")
+            tags.append(llguidance.StructTag(
+                trigger=trigger, begin=s["begin"], grammar=s["schema"],
+                end=s["end"],
+            ))
+        if not tags:
+            raise ValueError("structural_tag has no structures")
+        return llguidance.StructTag.to_grammar(tags)
+
+    def _compile(self, guide_type: str, guide_text: str) -> str:
+        try:
+            grammar = self._serialize(guide_type, guide_text)
+        except ValueError as exc:
+            raise ValueError(f"llguidance cannot compile this {guide_type}: {exc}") from exc
+        except (KeyError, TypeError, AssertionError) as exc:
+            raise ValueError(f"llguidance cannot compile this {guide_type}: malformed ({exc!r})") from exc
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise ValueError(
+                f"llguidance cannot compile this {guide_type}: {_llguidance_message(messages[0])}"
+            )
+        return grammar
+
+    def matcher(self, compiled: str) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.ll_tokenizer, compiled, self.stop_token_ids, self.stop_bitmask_row)

@@ -1,0 +1,155 @@
+"""The ``GrammarMatcher`` and ``GuidedBackend`` interfaces (DESIGN.md §5).
+
+A backend compiles a guide (:class:`~tpguide.guided.params.StructuredOutputsParams`)
+once per distinct ``(backend, guide_type, guide_text)`` and hands out one
+stateful matcher per request.  Both backends (xgrammar, llguidance) present
+the same matcher semantics, which the engine relies on:
+
+* ``accept_token`` returns False on a token the grammar forbids and leaves the
+  state unchanged (llguidance would poison its matcher; the adapter checks first).
+* Accepting a stop token once the grammar is complete terminates the matcher;
+  afterwards every token is rejected.
+* ``fill_next_token_bitmask`` of a complete grammar allows only the stop tokens;
+  of a terminated matcher too (xgrammar itself raises there).
+* ``rollback(n)`` undoes the last ``n`` accepted tokens, the stop token included.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import OrderedDict
+from typing import Any, Hashable
+
+import torch
+
+from tpguide.guided.bitmask import token_ids_to_bitmask_row
+from tpguide.guided.params import StructuredOutputsParams
+
+
+class GrammarMatcher(abc.ABC):
+    """Per-request grammar state.
+
+    Attributes
+    ----------
+    num_accepted_tokens : int
+        Tokens accepted and not rolled back (stop token included).
+    """
+
+    num_accepted_tokens: int = 0
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) if the grammar forbids it."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens.
+
+        Raises
+        ------
+        ValueError
+            ``num_tokens`` is negative or more than :attr:`num_accepted_tokens`.
+        """
+
+    @abc.abstractmethod
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (in place).
+
+        Parameters
+        ----------
+        bitmask : torch.Tensor
+            int32 ``[num_rows, bitmask_size]``, CPU, contiguous rows;
+            ``bitmask_size = ceil(padded_vocab_size / 32)``.
+        row : int
+        """
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token has been accepted (and not rolled back)."""
+
+    def _check_rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_accepted_tokens:
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens: {self.num_accepted_tokens} accepted"
+            )
+
+
+class GuidedBackend(abc.ABC):
+    """Compiles guides for one tokenizer and makes matchers.
+
+    Subclasses set :attr:`name` and :attr:`supported_guide_types` and
+    implement :meth:`_compile` and :meth:`matcher`.
+
+    Parameters
+    ----------
+    padded_vocab_size : int
+        Bitmask width in tokens; ids the tokenizer cannot emit are never allowed.
+    stop_token_ids : list of int
+        Every end token of the model (:func:`~tpguide.guided.stop_tokens.collect_stop_token_ids`).
+    cache_size : int
+        Compiled guides kept (least recently used evicted).
+    """
+
+    name: str = ""
+    supported_guide_types: frozenset = frozenset()
+
+    def __init__(self, padded_vocab_size: int, stop_token_ids: list, cache_size: int = 128) -> None:
+        if padded_vocab_size < 1:
+            raise ValueError(f"padded_vocab_size must be >= 1, got {padded_vocab_size}")
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids must not be empty")
+        bad = [t for t in stop_token_ids if not 0 <= int(t) < padded_vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside [0, {padded_vocab_size})")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.padded_vocab_size = padded_vocab_size
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
+        #: int32 ``[bitmask_size]`` allowing only the stop tokens (rows of terminated matchers).
+        self.stop_bitmask_row = token_ids_to_bitmask_row(self.stop_token_ids, padded_vocab_size)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """Compiled form of ``params``, from the LRU cache when seen before.
+
+        The cache key is ``(backend name, guide_type, guide_text)``.
+
+        Raises
+        ------
+        ValueError
+            Invalid schema/regex/grammar/tag, or a guide type this backend does
+            not support (the message says which backend does).
+        """
+        key = (self.name,) + params.cache_key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        if params.guide_type not in self.supported_guide_types:
+            raise ValueError(
+                f"guide type {params.guide_type!r} is not supported by the {self.name} backend "
+                f"(supported: {sorted(self.supported_guide_types)})"
+            )
+        compiled = self._compile(params.guide_type, params.guide_text)
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached(self) -> int:
+        """Compiled guides currently cached."""
+        return len(self._cache)
+
+    @abc.abstractmethod
+    def _compile(self, guide_type: str, guide_text: str) -> Any:
+        """Compile one guide; raise ValueError with the backend's message on bad input."""
+
+    @abc.abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher in the grammar's initial state."""

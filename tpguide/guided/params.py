@@ -1,0 +1,207 @@
+"""Structured-output parameters of one request (DESIGN.md §5).
+
+The fields follow vLLM's ``StructuredOutputsParams``; exactly one guide is set
+per request.  The request line carries them as::
+
+    "structured_output": {"json": {...schema...}}        guide_type "json_schema"
+                         {"json_object": true}            guide_type "json" (any JSON object)
+                         {"regex": "[0-9]+"}              guide_type "regex"
+                         {"choice": ["yes", "no"]}        guide_type "choice"
+                         {"grammar": "root ::= ..."}      guide_type "grammar"
+                         {"structural_tag": {...}}        guide_type "structural_tag"
+                         null                             unguided
+
+Keys whose value is ``null`` count as unset, and ``"json_object": false`` too.
+Every validation error is a :class:`ValueError` naming the offending value, so
+the engine can fail just that request with a readable reason.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+#: Keys accepted in the ``"structured_output"`` object of a request line.
+GUIDE_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+#: Guide types a backend may see, in the order of :data:`GUIDE_KEYS`.
+GUIDE_TYPES = ("json_schema", "regex", "choice", "grammar", "json", "structural_tag")
+
+_GUIDE_TYPE_OF_KEY = dict(zip(GUIDE_KEYS, GUIDE_TYPES))
+
+#: The JSON schema that ``json_object`` stands for (vLLM's semantics: any JSON object).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_object_text(key: str, value: Any) -> str:
+    """``value`` (dict or JSON text of an object) as JSON text; ValueError otherwise."""
+    if isinstance(value, dict):
+        try:
+            return _json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{key} is not JSON-serialisable: {exc} (got {_short(value)})") from exc
+    if isinstance(value, str):
+        try:
+            parsed = _json.loads(value)
+        except _json.JSONDecodeError as exc:
+            raise ValueError(f"{key} is not valid JSON: {exc} (got {_short(value)})") from exc
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{key} must be a JSON object, got {type(parsed).__name__}: {_short(value)}")
+        return value
+    raise ValueError(f"{key} must be a dict or a JSON string, got {type(value).__name__}: {_short(value)}")
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """One request's guide; exactly one field is set.
+
+    Attributes
+    ----------
+    json : dict or str, optional
+        A JSON schema (dict or its JSON text).  ``guide_type == "json_schema"``.
+    regex : str, optional
+        A regular expression the whole output must match.
+    choice : tuple of str, optional
+        The output is exactly one of these strings (a list is accepted and
+        stored as a tuple).
+    grammar : str, optional
+        A context-free grammar: GBNF/EBNF for xgrammar, Lark for llguidance.
+    json_object : bool, optional
+        ``True``: any JSON object (``guide_type == "json"``).
+    structural_tag : dict or str, optional
+        A structural tag (xgrammar's format; see the backends for what each supports).
+
+    Raises
+    ------
+    ValueError
+        No guide or several guides set, a wrong type, an empty choice list or
+        string, JSON text that does not parse to an object.
+
+    Notes
+    -----
+    Equality and hashing go through :attr:`cache_key`, so params holding a
+    schema dict are hashable.
+    """
+
+    json: Optional[Union[dict, str]] = None
+    regex: Optional[str] = None
+    choice: Optional[tuple] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[dict, str]] = None
+    _text: str = field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        set_keys = [k for k in GUIDE_KEYS if self._is_set(k)]
+        if not set_keys:
+            raise ValueError(f"no guide set: set exactly one of {list(GUIDE_KEYS)}")
+        if len(set_keys) > 1:
+            shown = ", ".join(f"{k}={_short(getattr(self, k), 40)}" for k in set_keys)
+            raise ValueError(f"exactly one guide may be set, got {len(set_keys)}: {shown}")
+        object.__setattr__(self, "_text", self._validate(set_keys[0]))
+
+    def _is_set(self, key: str) -> bool:
+        value = getattr(self, key)
+        return value is not None and not (key == "json_object" and value is False)
+
+    def _validate(self, key: str) -> str:
+        """Check the set field and return its canonical text (what backends compile)."""
+        value = getattr(self, key)
+        if key == "json":
+            return _json_object_text("json", value)
+        if key == "structural_tag":
+            return _json_object_text("structural_tag", value)
+        if key == "json_object":
+            if value is not True:
+                raise ValueError(f"json_object must be true or false, got {_short(value)}")
+            return JSON_OBJECT_SCHEMA
+        if key in ("regex", "grammar"):
+            if not isinstance(value, str):
+                raise ValueError(f"{key} must be a string, got {type(value).__name__}: {_short(value)}")
+            if not value:
+                raise ValueError(f"{key} must be a non-empty string, got ''")
+            if "\x00" in value:
+                raise ValueError(f"{key} must not contain a NUL character, got {_short(value)}")
+            return value
+        # choice
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ValueError(f"choice must be a list of strings, got {type(value).__name__}: {_short(value)}")
+        if not value:
+            raise ValueError("choice must be a non-empty list of strings, got []")
+        bad = [c for c in value if not isinstance(c, str) or not c or "\x00" in c]
+        if bad:
+            raise ValueError(
+                f"choice entries must be non-empty strings without NUL, got {_short(bad)} in {_short(value)}"
+            )
+        object.__setattr__(self, "choice", tuple(value))
+        return _json.dumps(list(value), ensure_ascii=False)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StructuredOutputsParams):
+            return NotImplemented
+        return self.cache_key == other.cache_key
+
+    def __hash__(self) -> int:
+        return hash(self.cache_key)
+
+    @property
+    def guide_key(self) -> str:
+        """The field that is set (one of :data:`GUIDE_KEYS`)."""
+        return next(k for k in GUIDE_KEYS if self._is_set(k))
+
+    @property
+    def guide_type(self) -> str:
+        """``"json_schema"``, ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"structural_tag"``."""
+        return _GUIDE_TYPE_OF_KEY[self.guide_key]
+
+    @property
+    def guide_text(self) -> str:
+        """Canonical text of the guide: schema/tag JSON, regex, grammar, or the choices as a JSON list.
+
+        ``json_object`` gives :data:`JSON_OBJECT_SCHEMA`.  A dict schema keeps its
+        key order (property order shapes the generated output).
+        """
+        return self._text
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """Hashable ``(guide_type, guide_text)``; backends prepend their name."""
+        return (self.guide_type, self._text)
+
+    @classmethod
+    def from_request(cls, obj: Optional[dict]) -> Optional["StructuredOutputsParams"]:
+        """Parse the ``"structured_output"`` field of a request line.
+
+        Parameters
+        ----------
+        obj : dict or None
+            ``None`` means unguided.
+
+        Returns
+        -------
+        StructuredOutputsParams or None
+
+        Raises
+        ------
+        ValueError
+            ``obj`` is not an object, has keys other than :data:`GUIDE_KEYS`
+            (the error names them and the allowed ones), or fails validation.
+        """
+        if obj is None:
+            return None
+        if not isinstance(obj, dict):
+            raise ValueError(
+                f"structured_output must be an object or null, got {type(obj).__name__}: {_short(obj)}"
+            )
+        unknown = sorted(set(obj) - set(GUIDE_KEYS), key=str)
+        if unknown:
+            raise ValueError(
+                f"unknown structured_output keys {unknown}; allowed keys are {list(GUIDE_KEYS)}"
+            )
+        return cls(**obj)

@@ -1,0 +1,180 @@
+"""Attention over a per-rank KV cache for a mixed batch.
+
+A step's tokens are flattened: sequence ``s`` contributes its new tokens
+``query_start_loc[s] : query_start_loc[s+1]`` (a whole prompt, a prefill
+chunk continuing a cached prefix, or one decode token); their positions are
+``context_lens[s] .. context_lens[s] + query_len - 1``.  The KV cache is one
+dense row per sequence slot (no paging)::
+
+    k_cache / v_cache : [num_slots, max_model_len, num_kv_heads, head_dim]
+
+:class:`Attention` writes the new keys and values at ``(slot, position)``,
+then pads queries to ``[num_seqs, max_query_len]``, reads keys
+``[num_seqs, max_seq_len]`` from the cache and runs one
+``F.scaled_dot_product_attention`` with a causal mask (query ``i`` of
+sequence ``s`` sees cache positions ``<= context_lens[s] + i``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each sequence of a flattened batch reads and writes the KV cache.
+
+    Attributes
+    ----------
+    seq_slots : torch.Tensor
+        int64 ``[num_seqs]``: KV-cache slot of each sequence.
+    query_start_loc : torch.Tensor
+        int64 ``[num_seqs + 1]``: offsets of each sequence's new tokens in the
+        flattened batch (tokens); ``query_start_loc[-1] == num_tokens``.
+    context_lens : torch.Tensor
+        int64 ``[num_seqs]``: tokens already cached before this step.
+    query_lens, seq_lens : torch.Tensor
+        int64 ``[num_seqs]``: new tokens; ``context_lens + query_lens``.
+    token_seq_index : torch.Tensor
+        int64 ``[num_tokens]``: the sequence (0..num_seqs-1) of each token.
+    token_query_index : torch.Tensor
+        int64 ``[num_tokens]``: index of each token among its sequence's new tokens.
+    token_positions : torch.Tensor
+        int64 ``[num_tokens]``: absolute position of each new token,
+        ``context_lens[s] + token_query_index`` (the ``positions`` the model takes).
+    max_query_len, max_seq_len : int
+    """
+
+    seq_slots: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    token_seq_index: torch.Tensor
+    token_query_index: torch.Tensor
+    token_positions: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_slots.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_seq_index.numel())
+
+    @classmethod
+    def from_lists(cls, seq_slots: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
+                   device: Optional[torch.device] = None) -> "AttentionMetadata":
+        """Build from per-sequence Python lists (one entry per sequence, batch order).
+
+        Raises
+        ------
+        ValueError
+            Lists of different lengths, an empty batch, ``query_len < 1`` or
+            ``context_len < 0``, or a slot used twice.
+        """
+        n = len(seq_slots)
+        if not n or len(query_lens) != n or len(context_lens) != n:
+            raise ValueError(
+                f"need equal, non-empty lists: seq_slots={len(seq_slots)}, "
+                f"query_lens={len(query_lens)}, context_lens={len(context_lens)}"
+            )
+        if min(query_lens) < 1 or min(context_lens) < 0:
+            raise ValueError(f"query_lens must be >= 1 and context_lens >= 0, got {list(query_lens)}, {list(context_lens)}")
+        if len(set(seq_slots)) != n:
+            raise ValueError(f"seq_slots must be distinct, got {list(seq_slots)}")
+        q = torch.tensor(list(query_lens), dtype=torch.int64)
+        ctx = torch.tensor(list(context_lens), dtype=torch.int64)
+        start = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=start[1:])
+        seq_index = torch.repeat_interleave(torch.arange(n), q)  # [T]
+        query_index = torch.arange(int(start[-1])) - start[seq_index]  # [T]
+        to = dict(device=device)
+        return cls(
+            seq_slots=torch.tensor(list(seq_slots), dtype=torch.int64, **to),
+            query_start_loc=start.to(**to),
+            context_lens=ctx.to(**to),
+            query_lens=q.to(**to),
+            seq_lens=(ctx + q).to(**to),
+            token_seq_index=seq_index.to(**to),
+            token_query_index=query_index.to(**to),
+            token_positions=(ctx[seq_index] + query_index).to(**to),
+            max_query_len=int(q.max()),
+            max_seq_len=int((ctx + q).max()),
+        )
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of this rank's heads over its KV cache.
+
+    Parameters
+    ----------
+    num_heads, num_kv_heads : int
+        This rank's (padded) query and KV heads; ``num_heads % num_kv_heads == 0``.
+    head_dim : int
+    scale : float
+        Softmax scale, ``head_dim ** -0.5`` for Llama.
+
+    Attributes
+    ----------
+    k_cache, v_cache : torch.Tensor or None
+        ``[num_slots, max_model_len, num_kv_heads, head_dim]``, set by the model's
+        ``allocate_kv_cache``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache: Optional[torch.Tensor] = None
+        self.v_cache: Optional[torch.Tensor] = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attend the new tokens; writes their k/v into the cache (in place).
+
+        Parameters
+        ----------
+        q : ``[T, num_heads, head_dim]``
+        k, v : ``[T, num_kv_heads, head_dim]``
+        meta : AttentionMetadata
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, num_heads * head_dim]``.
+        """
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_slots, max_model_len)")
+        if meta.max_seq_len > self.k_cache.size(1):
+            raise ValueError(f"sequence length {meta.max_seq_len} exceeds max_model_len={self.k_cache.size(1)}")
+        seq, qi = meta.token_seq_index, meta.token_query_index  # [T], [T]
+        slots, pos = meta.seq_slots[seq], meta.token_positions  # [T], [T]
+        self.k_cache[slots, pos] = k
+        self.v_cache[slots, pos] = v
+
+        num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+        q_pad = q.new_zeros(num_seqs, max_q, self.num_heads, self.head_dim)  # [S, Q, H, D]
+        q_pad[seq, qi] = q
+        keys = self.k_cache[:, :max_s][meta.seq_slots]  # [S, K, Hkv, D]
+        values = self.v_cache[:, :max_s][meta.seq_slots]  # [S, K, Hkv, D]
+        # Query i of sequence s sees key positions <= context_len + i.  Padded query rows
+        # (i >= query_len) keep key 0 visible, so no row is all-masked; they are dropped below.
+        key_pos = torch.arange(max_s, device=q.device)  # [K]
+        query_pos = meta.context_lens[:, None] + torch.arange(max_q, device=q.device)  # [S, Q]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, K]
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),  # [S, H, Q, D]
+            keys.transpose(1, 2),  # [S, Hkv, K, D]
+            values.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1),  # [S, 1, Q, K]
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [S, H, Q, D]
+        out = out.transpose(1, 2)[seq, qi]  # [T, H, D]
+        return out.flatten(1)

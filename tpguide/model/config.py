@@ -1,0 +1,297 @@
+"""The model configuration: the few numbers a Llama-family decoder needs.
+
+:class:`ModelConfig` is read from a Hugging Face ``config.json`` (Llama,
+Mistral, Qwen2; SmolLM2 is a Llama) and validated once.  It also owns the
+head-padding arithmetic that decides which ``tp_size`` values a model
+supports (:func:`pad_heads`, :meth:`ModelConfig.check_tp_size`).
+
+Head padding (DESIGN.md §7): when ``num_key_value_heads`` does not divide by
+``tp_size``, zero KV heads are appended, each with its whole group of
+``num_attention_heads // num_key_value_heads`` zero query heads, until the KV
+head count divides.  SmolLM2-135M (9 query heads, 3 KV heads, group 3)::
+
+    tp_size   KV heads (padded)   per rank: KV heads, q heads
+    1         3                   3, 9
+    2         4  (+1 zero group)  2, 6
+    3         3                   1, 3
+    4         4  (+1 zero group)  1, 3
+
+Padding is always used, also where vLLM would replicate KV heads
+(``tp_size % num_key_value_heads == 0``): one rule for every case, and a group
+is never split across ranks.  The cost is idle zero heads on some ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+#: HF ``architectures`` entries this package runs (they differ only in biases).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+#: RoPE types whose inverse frequencies do not depend on the sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: Largest ``tp_size`` listed by :meth:`ModelConfig.valid_tp_sizes`.
+MAX_LISTED_TP_SIZE = 16
+
+
+#: Fields a ``config.json`` must spell out to be read without transformers.
+_PLAIN_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+               "vocab_size", "tie_word_embeddings", "hidden_act", "rope_parameters")
+#: Per model type, fields whose transformers default matters and must be explicit.
+_PLAIN_KEYS_BY_TYPE = {"llama": ("attention_bias", "mlp_bias"), "mistral": ("sliding_window",),
+                       "qwen2": ("use_sliding_window",)}
+
+
+def _is_plain_config(raw: Dict[str, Any]) -> bool:
+    """True if ``raw`` (a parsed config.json) can be used as is: every field explicit, default RoPE."""
+    extra = _PLAIN_KEYS_BY_TYPE.get(raw.get("model_type"))
+    if extra is None or any(k not in raw for k in _PLAIN_KEYS + extra):
+        return False
+    rope = raw["rope_parameters"] or {}
+    return rope.get("rope_type") == "default" and "rope_theta" in rope and not raw.get("rope_scaling")
+
+
+def pad_heads(num_attention_heads: int, num_key_value_heads: int, tp_size: int) -> Tuple[int, int]:
+    """Head counts after zero-padding whole KV groups to a multiple of ``tp_size``.
+
+    Returns
+    -------
+    (num_heads_padded, num_kv_heads_padded) : tuple of int
+        ``num_kv_heads_padded = ceil(num_key_value_heads / tp_size) * tp_size``;
+        ``num_heads_padded = num_kv_heads_padded * group`` where
+        ``group = num_attention_heads // num_key_value_heads``.
+    """
+    group = num_attention_heads // num_key_value_heads
+    kv_padded = -(-num_key_value_heads // tp_size) * tp_size
+    return kv_padded * group, kv_padded
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Attributes
+    ----------
+    architecture : str
+        One of :data:`SUPPORTED_ARCHITECTURES`.
+    hidden_size, intermediate_size, num_hidden_layers : int
+    num_attention_heads, num_key_value_heads, head_dim : int
+        Unpadded (checkpoint) head counts; ``head_dim`` in elements.
+    rms_norm_eps : float
+    max_position_embeddings : int
+        Tokens.
+    org_vocab_size : int
+        Rows of the checkpoint's embedding / LM head (HF ``vocab_size``).
+    tie_word_embeddings : bool
+        The LM head shares the embedding weight.
+    attention_bias : bool
+        q/k/v projections carry a bias (Qwen2: always; Llama: ``attention_bias``).
+    o_proj_bias : bool
+        The output projection carries a bias (Llama with ``attention_bias`` only).
+    mlp_bias : bool
+        gate/up/down projections carry a bias (Llama ``mlp_bias``).
+    hidden_act : str
+        Only ``"silu"``.
+    rope_parameters : dict
+        HF ``rope_parameters`` (``rope_type``, ``rope_theta``, scaling keys).
+    eos_token_ids : tuple of int
+        Stop ids from ``config.json`` and ``generation_config.json``.
+    hf_config : transformers.PretrainedConfig or None
+        Kept for the RoPE init functions of transformers; not compared.
+
+    Raises
+    ------
+    ValueError
+        On an unsupported architecture, activation or RoPE type, or
+        inconsistent sizes (each message names the values).
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    org_vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope_parameters: Dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    eos_token_ids: Tuple[int, ...] = ()
+    hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {self.architecture!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "org_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
+        if rope_type != "default" and self.hf_config is None:
+            raise ValueError(f"rope_type={rope_type!r} needs hf_config (the transformers config object)")
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_hf(cls, hf_config: Any, generation_config: Optional[Any] = None) -> "ModelConfig":
+        """Build from a ``transformers`` config (and optional generation config).
+
+        Raises
+        ------
+        ValueError
+            Unsupported architecture or features (sliding-window attention).
+        """
+        archs = getattr(hf_config, "architectures", None) or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}.get(hf_config.model_type, hf_config.model_type)
+        if arch == "Qwen2ForCausalLM":
+            if getattr(hf_config, "use_sliding_window", False):
+                raise ValueError("Qwen2 use_sliding_window=True is not supported")
+            qkv_bias, o_bias = True, False
+        elif arch == "MistralForCausalLM":
+            if getattr(hf_config, "sliding_window", None) is not None:
+                raise ValueError(
+                    f"Mistral sliding_window={hf_config.sliding_window} is not supported (only None)"
+                )
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = bool(getattr(hf_config, "attention_bias", False))
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        eos: list = []
+        for src in (hf_config, generation_config):
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            for tok in ([value] if isinstance(value, int) else (value or [])):
+                if tok not in eos:
+                    eos.append(int(tok))
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        return cls(
+            architecture=arch,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            org_vocab_size=hf_config.vocab_size,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            rope_parameters=rope,
+            eos_token_ids=tuple(eos),
+            hf_config=hf_config,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json`` if present) from a local directory.
+
+        A complete, plain config (every field explicit, default RoPE) is read
+        with ``json`` alone: importing transformers costs each rank seconds.
+        Anything else goes through ``transformers.AutoConfig``, which fills
+        defaults and converts old RoPE formats.
+
+        Raises
+        ------
+        ValueError
+            If the directory or its ``config.json`` is missing, or the config
+            is unsupported.
+        """
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
+        raw = json.loads((model_dir / "config.json").read_text())
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        if _is_plain_config(raw):
+            return cls.from_hf(SimpleNamespace(**raw), SimpleNamespace(**gen) if gen else None)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return cls.from_hf(hf_config, SimpleNamespace(**gen) if gen else None)
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def padded_heads(self, tp_size: int) -> Tuple[int, int]:
+        """``(num_heads_padded, num_kv_heads_padded)`` at ``tp_size``; see :func:`pad_heads`."""
+        return pad_heads(self.num_attention_heads, self.num_key_value_heads, tp_size)
+
+    def _tp_size_problem(self, tp_size: int) -> Optional[str]:
+        if tp_size < 1:
+            return f"tp_size must be >= 1, got {tp_size}"
+        if self.intermediate_size % tp_size:
+            return f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp_size}"
+        return None
+
+    def valid_tp_sizes(self, up_to: int = MAX_LISTED_TP_SIZE) -> list[int]:
+        """The ``tp_size`` values in ``[1, up_to]`` this model runs at."""
+        return [t for t in range(1, up_to + 1) if self._tp_size_problem(t) is None]
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise ``ValueError`` naming the valid sizes if the model cannot run at ``tp_size``.
+
+        Attention heads always fit (zero-padded, see the module docstring);
+        the MLP's ``intermediate_size`` must divide by ``tp_size``.
+        """
+        problem = self._tp_size_problem(tp_size)
+        if problem is not None:
+            raise ValueError(
+                f"{problem}; valid tp sizes for this model (up to {MAX_LISTED_TP_SIZE}): "
+                f"{self.valid_tp_sizes()}"
+            )
+
+    def rope_inv_freq(self, device: Optional[torch.device] = None) -> Tuple[torch.Tensor, float]:
+        """RoPE inverse frequencies and the cos/sin scale, exactly as transformers computes them.
+
+        Returns
+        -------
+        inv_freq : torch.Tensor
+            fp32 ``[head_dim // 2]`` (radians per position).
+        attention_scaling : float
+            Multiplies cos and sin (1.0 except for yarn).
+
+        Uses ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` for the
+        scaled types (linear, llama3, yarn); the default type follows
+        ``LlamaRotaryEmbedding.compute_default_rope_parameters``.
+        """
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(self.rope_parameters["rope_theta"])
+            dim = self.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+            return inv_freq, 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, device)
+        return inv_freq.float(), float(scaling)
+

@@ -1,0 +1,228 @@
+"""Tensor-parallel Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+
+Per layer, Megatron-style, two ``all_reduce`` calls (in the row-parallel
+``o_proj`` and ``down_proj``)::
+
+    x ─ RMSNorm ─ qkv_proj (column, local heads) ─ RoPE ─ Attention ─ o_proj (row, all_reduce) ─ + ─
+    ─ RMSNorm ─ gate_up_proj (column) ─ SiLU(gate) * up ─ down_proj (row, all_reduce) ─ + ─
+
+Module names follow the Hugging Face checkpoint (``model.layers.N.self_attn``,
+``mlp``, ``model.norm``, ``lm_head``) except the packed ``qkv_proj`` and
+``gate_up_proj`` (see :mod:`tpguide.model.loader` for the mapping).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpguide.dist import TPGroup
+from tpguide.model.attention import Attention, AttentionMetadata
+from tpguide.model.config import ModelConfig
+from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from tpguide.model.vocab_shard import VocabShard
+from tpguide.model.weight_slice import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 as transformers' ``LlamaRMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden] -> [T, hidden]``."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, "RoFormer"), rotate-half layout as in HF Llama."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = config.rope_inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of this rank's (padded) heads."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, group, config.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(self.qkv_proj.num_heads_padded * d, config.hidden_size, group,
+                                        bias=config.o_proj_bias, reduce_results=True,
+                                        org_input_size=config.num_attention_heads * d, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``[T, hidden] -> [T, hidden]`` (replicated)."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # q: [T, Hl, D], k/v: [T, Kl, D]
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))  # [T, Hl*D] -> [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], group, config.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, group, bias=config.mlp_bias,
+                                           reduce_results=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden] -> [T, hidden]`` (replicated)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/T] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, group, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, group, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.org_vocab_size, config.hidden_size, group, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, group, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One rank's shard of a Llama-family causal LM.
+
+    Parameters
+    ----------
+    config : ModelConfig
+    group : TPGroup
+        This rank's TP group; parameters are created on ``group.device``.
+    dtype : torch.dtype
+        Parameter and activation dtype (logits are always fp32).
+    tokenizer_vocab_size : int, optional
+        Ids ``>= tokenizer_vocab_size`` get ``-inf`` logits too.
+
+    Attributes
+    ----------
+    vocab_shard : VocabShard
+        This rank's slice of the padded vocabulary.
+
+    Raises
+    ------
+    ValueError
+        If the model cannot run at ``group.tp_size`` (lists the valid sizes).
+
+    Weights are zero (norms one) until loaded (:func:`tpguide.model.loader.load_model`).
+    """
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype = torch.float32,
+                 tokenizer_vocab_size: Optional[int] = None) -> None:
+        super().__init__()
+        config.check_tp_size(group.tp_size)
+        self.config, self.group, self.dtype = config, group, dtype
+        with torch.device(group.device):
+            self.model = LlamaModel(config, group, dtype)
+            self.lm_head = ParallelLMHead(config.org_vocab_size, config.hidden_size, group, dtype,
+                                          tokenizer_vocab_size=tokenizer_vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.vocab_shard: VocabShard = self.lm_head.vocab_shard
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads on this rank (padded)."""
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+    def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
+        """Allocate zeroed per-layer caches ``[num_slots, max_model_len, num_local_kv_heads, head_dim]``.
+
+        Model dtype, on ``group.device``; replaces any previous cache.
+
+        Raises
+        ------
+        ValueError
+            If a size is < 1 or ``max_model_len > max_position_embeddings``.
+        """
+        if num_slots < 1 or max_model_len < 1:
+            raise ValueError(f"num_slots and max_model_len must be >= 1, got {num_slots}, {max_model_len}")
+        if max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} > max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        shape = (num_slots, max_model_len, self.num_local_kv_heads, self.config.head_dim)
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)
+            layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder on a flattened mixed batch; fills the KV cache.
+
+        Parameters
+        ----------
+        input_ids, positions : torch.Tensor
+            int64 ``[T]`` on ``group.device``; ``positions`` are absolute
+            (``context_len + i``), consistent with ``attn_metadata``.
+        attn_metadata : AttentionMetadata
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, hidden_size]`` model dtype, identical on every rank.
+        """
+        return self.model(input_ids, positions, attn_metadata)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[R, hidden_size]`` -> this rank's fp32 logits shard ``[R, padded_vocab_size // tp_size]``.
+
+        Column ``j`` is token ``vocab_start_index + j``; padded ids and ids the
+        tokenizer cannot produce are ``-inf``.  No communication.
+        """
+        return self.lm_head.compute_logits(hidden_states)

@@ -1,0 +1,61 @@
+"""Reading one shard of a checkpoint tensor, lazily.
+
+Every ``weight_loader`` in :mod:`tpguide.model` accepts either a full
+``torch.Tensor`` or a lazily sliceable safetensors object (what
+``safe_open(...).get_slice(name)`` returns: ``get_shape()`` and
+``__getitem__`` with a tuple of slices).  With the latter only the rank's
+rows are read from disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple, Union
+
+import torch
+
+#: A full tensor or a safetensors ``PySafeSlice``.
+Loadable = Union[torch.Tensor, Any]
+
+
+def loaded_shape(loaded: Loadable) -> Tuple[int, ...]:
+    """Shape of the whole checkpoint tensor, without reading it."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def check_shape(loaded: Loadable, expected: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming both shapes if the checkpoint tensor has the wrong shape."""
+    actual = loaded_shape(loaded)
+    if actual != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {list(actual)}, the config expects {list(expected)}")
+
+
+def read_rows(loaded: Loadable, dim: int, start: int, length: int) -> torch.Tensor:
+    """``loaded`` narrowed to ``[start, start + length)`` along ``dim`` (reads only that slice)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(loaded_shape(loaded))))
+    return loaded[index]
+
+
+def copy_clipped_(dst: torch.Tensor, loaded: Loadable, dim: int, start: int) -> torch.Tensor:
+    """Copy ``loaded[start : start + dst.size(dim)]`` (along ``dim``) into ``dst``, in place.
+
+    Rows past the end of the checkpoint tensor (zero-padded heads, padded
+    vocabulary) are set to zero.  Returns ``dst``.
+    """
+    total = loaded_shape(loaded)[dim]
+    n = max(0, min(dst.size(dim), total - start))
+    if n < dst.size(dim):
+        dst.zero_()
+    if n > 0:
+        dst.narrow(dim, 0, n).copy_(read_rows(loaded, dim, start, n))
+    return dst
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Loadable, shard_id: Any = None) -> None:
+    """Loader of a replicated parameter (norm weights, row-parallel bias): copy it whole."""
+    assert shard_id is None, f"replicated parameter got shard_id={shard_id!r}"
+    check_shape(loaded, param.shape)
+    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[tuple(slice(None) for _ in param.shape)])
