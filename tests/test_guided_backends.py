@@ -244,13 +244,24 @@ def test_rollback(backend, tokenizer):
         matcher.rollback(-1)
 
 
-def test_rollback_after_stop_when_grammar_had_stopped(backend, tokenizer, stop_ids):
-    """llguidance does not record a stop token after its grammar stopped; rollback must still work."""
-    matcher = backend.matcher(backend.compile(StructuredOutputsParams(choice=["ab", "abc"])))
+@pytest.mark.parametrize(
+    "obj, text",
+    [({"choice": ["ab", "abc"]}, "abc"), ({"regex": "[0-9]+"}, "12")],
+    ids=["grammar-stopped", "grammar-could-continue"],
+)
+def test_rollback_over_stop_token(backend, tokenizer, stop_ids, obj, text):
+    """llguidance records a stop token only if its grammar could still continue; rollback handles both."""
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams.from_request(obj)))
     start = bitmask_of(matcher)
-    tokens = tokenizer.encode("abc", add_special_tokens=False) + [stop_ids[0]]
+    tokens = tokenizer.encode(text, add_special_tokens=False)
     assert all(matcher.accept_token(t) for t in tokens)
-    matcher.rollback(len(tokens))
+    before_stop = bitmask_of(matcher)
+    assert matcher.accept_token(stop_ids[0]) and matcher.is_terminated()
+    matcher.rollback(1)
+    assert not matcher.is_terminated()
+    assert torch.equal(bitmask_of(matcher), before_stop)
+    assert matcher.accept_token(stop_ids[1])
+    matcher.rollback(len(tokens) + 1)
     assert torch.equal(bitmask_of(matcher), start)
 
 

@@ -40,3 +40,11 @@ def test_size_one_is_identity():
     assert C.all_reduce(x, g) is x
     assert C.all_gather_stacked(x, g).shape == (1, 4)
     assert C.broadcast_object("a", g) == "a"
+
+
+def _return_tensor(group):
+    return torch.full((2,), float(group.tp_rank))
+
+
+def test_ranks_can_return_tensors():
+    assert [t.tolist() for t in run_on_ranks(_return_tensor, 2)] == [[0.0, 0.0], [1.0, 1.0]]

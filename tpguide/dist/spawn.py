@@ -3,7 +3,7 @@
 ``run_on_ranks(fn, tp_size, *args)`` starts one process per rank with the
 torchrun environment variables set, so each process builds its group with the
 real :func:`~tpguide.dist.group.init_tp_group`, calls ``fn(group, *args)`` and
-sends back the (picklable) result.  Results come back in rank order.  A rank
+sends back the (picklable) result; tensors travel by value.  Results come back in rank order.  A rank
 that raises makes the call raise with that rank's traceback; a rank that
 hangs past ``timeout_s`` makes it raise ``TimeoutError``.
 """
@@ -11,7 +11,10 @@ hangs past ``timeout_s`` makes it raise ``TimeoutError``.
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -42,7 +45,9 @@ def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue
 
     try:
         group = init_tp_group(backend="gloo", timeout_s=120)
-        result = fn(group, *args)
+        # plain pickle: tensors travel by value, not as shared memory that
+        # would vanish when this process exits
+        result = pickle.dumps(fn(group, *args))
         queue.put((rank, True, result))
         destroy_tp_group(group)
     except BaseException:  # noqa: BLE001 - report any failure to the parent
@@ -65,15 +70,23 @@ def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.
     for p in procs:
         p.start()
     results: dict = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(tp_size):
+        while len(results) < tp_size:
             try:
-                rank, ok, value = queue.get(timeout=timeout_s)
-            except Exception as exc:  # queue.Empty
-                raise TimeoutError(f"ranks did not all report within {timeout_s} s; got {sorted(results)}") from exc
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} of {tp_size} died without reporting "
+                                       f"(exit codes {[procs[r].exitcode for r in dead]})")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not all report within {timeout_s} s; "
+                                       f"reported {sorted(results)}")
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {tp_size} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
