@@ -1,6 +1,7 @@
 """Benchmark ``apply_token_bitmask_inplace`` against xgrammar's kernels, side by side.
 
-Prints one table row per (vocab, rows, mask): tpguide time, xgrammar time per
+Prints one table row per (vocab, rows, mask): tpguide time (``backend="auto"``,
+resolved backend named in the header; ``--backend`` forces one), xgrammar time per
 backend (CPU: ``cpu``; CUDA: ``triton`` and ``cuda`` when they load), ratio
 ``xgrammar / tpguide`` (> 1: tpguide is faster) and tpguide's effective
 bandwidth (a full read + write of the logits plus the bitmask) against the
@@ -14,6 +15,7 @@ interleaved repeats.  Masks:
 Usage::
 
     python launch/bench_bitmask.py [--device cpu|cuda] [--quick] [--dtype float32] [--threads 1]
+                                   [--backend auto] [--vocab 49152] [--rows 1] [--mask string]
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpguide.kernels import apply_token_bitmask_inplace  # noqa: E402
+from tpguide.kernels import BACKENDS, apply_token_bitmask_inplace  # noqa: E402
+from tpguide.kernels.apply_token_bitmask import resolve_backend  # noqa: E402
 
 VOCABS = (49152, 128256, 151936)
 ROWS = (1, 8, 64, 512)
@@ -104,17 +107,29 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: xgrammar's CPU kernel is single-threaded)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="tpguide backend")
+    parser.add_argument("--vocab", type=int, nargs="*", help="only these vocab sizes")
+    parser.add_argument("--rows", type=int, nargs="*", help="only these row counts")
+    parser.add_argument("--mask", nargs="*", choices=MASKS, help="only these mask kinds")
+    parser.add_argument("--repeats", type=int, help="timed repeats per row (default 11, 5 with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
-    repeats = 5 if args.quick else 11
-    rows_list = (1, 64) if args.quick else ROWS
-    vocabs = (49152, 151936) if args.quick else VOCABS
+    repeats = args.repeats or (5 if args.quick else 11)
+    rows_list = args.rows or ((1, 64) if args.quick else ROWS)
+    vocabs = args.vocab or ((49152, 151936) if args.quick else VOCABS)
+    masks = args.mask or MASKS
+    backend = args.backend
+    setup_start = time.perf_counter()
+    resolved = resolve_backend(backend, device)  # "auto" on CPU compiles the C kernel on first use
+    setup_s = time.perf_counter() - setup_start
 
     bandwidth = clone_bandwidth(device, repeats)
     xgr = xgrammar_backends(device)
     print(f"# device={device} dtype={args.dtype} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"clone bandwidth={bandwidth / 1e9:.1f} GB/s, median of {repeats}")
+    print(f"# tpguide backend={backend!r} -> {resolved!r} (resolved in {setup_s * 1e3:.0f} ms, "
+          "including a first compile if the kernel cache was empty)")
     head = f"{'vocab':>7} {'rows':>5} {'mask':>7} {'tpguide ms':>11}"
     for name in xgr:
         head += f" {'xgr-' + name + ' ms':>14} {'ratio':>6}"
@@ -125,9 +140,9 @@ def main() -> None:
         num_words = -(-vocab // 32)
         for num_rows in rows_list:
             logits = torch.randn(num_rows, vocab, generator=generator).to(device, dtype)
-            for kind in MASKS:
+            for kind in masks:
                 bitmask = make_bitmask(kind, num_rows, num_words, generator).to(device)
-                fns = {"tpguide": lambda: apply_token_bitmask_inplace(logits, bitmask)}
+                fns = {"tpguide": lambda: apply_token_bitmask_inplace(logits, bitmask, backend=backend)}
                 for name, run in xgr.items():
                     fns[name] = lambda run=run: run(logits, bitmask)
                 t = time_interleaved(fns, repeats, device)

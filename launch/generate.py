@@ -8,6 +8,17 @@ process, tp_size 1, without ``torch.distributed``.  Without ``--model`` it
 uses the embedded SmolLM2-135M-Instruct (converted once to safetensors).
 Without ``--requests`` it runs a built-in demo covering every guide type.
 Only the driver (rank 0) reads requests and writes outputs.
+
+Failures: a bad request line fails that request only (``finish_reason``
+``"error"``, in its place in the output).  Finished requests are streamed
+to ``OUT.partial`` (fsync per line) and ``OUT`` is written atomically at the
+end, so a crash loses no finished request and ``--resume`` reruns only the
+rest (see :mod:`tpguide.engine.output_stream`).  A startup error (bad
+``--model``, a tp size the model cannot use, mixed CPU/GPU ranks) or a
+failed rank makes every rank print ``[rank R] error: ...`` to stderr and
+exit 1; torchrun stops the other workers once one exits non-zero.
+``TPGUIDE_FAULT_INJECT=RANK:STEP`` kills a rank on purpose (tests only,
+:mod:`tpguide.dist.fault_inject`).
 """
 
 from __future__ import annotations
@@ -17,17 +28,19 @@ import json
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
+from tpguide.dist.group import DEFAULT_TIMEOUT_S  # noqa: E402
 from tpguide.engine.engine import EngineConfig  # noqa: E402
 from tpguide.engine.offline import build_engine  # noqa: E402
-from tpguide.engine.request_io import (  # noqa: E402
-    load_outputs, parse_request_lines, read_requests, write_outputs)
-from tpguide.engine.request import RequestOutput  # noqa: E402
+from tpguide.engine.faults import DriverAborted  # noqa: E402
+from tpguide.engine.output_stream import load_finished, open_partial, output_from_json  # noqa: E402
+from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,8 +59,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
+                   help="draft tokens verified by the model each decode step (ngram: prompt lookup); "
+                        "output tokens are the same as without it")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most drafts per request per step (default 4 with --speculative-method)")
     p.add_argument("--resume", action="store_true",
-                   help="keep requests already in --output and run only the others")
+                   help="keep requests already in --output or --output.partial (errors included) "
+                        "and run only the others")
+    p.add_argument("--retry-errors", action="store_true",
+                   help="with --resume: rerun requests whose stored line has finish_reason 'error'")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds a rank waits in a collective before failing (default {DEFAULT_TIMEOUT_S:g}); "
+                        "a dead rank is noticed sooner (closed sockets, torchrun's agent)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-request report")
     return p.parse_args(argv)
 
@@ -80,37 +104,80 @@ def report(outputs, requests, tp_size: int, wall_s: float) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    group = init_tp_group()
+    if args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
+    group = init_tp_group(timeout_s=args.collective_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, guided_backend=args.guided_backend,
-                          seed=args.seed, dtype=DTYPES[args.dtype])
+                          seed=args.seed, dtype=DTYPES[args.dtype],
+                          speculative_method=args.speculative_method,
+                          num_speculative_tokens=_num_speculative_tokens(args))
     engine = build_engine(group, args.model, config)
     if not group.is_driver:
         engine.run_worker()
         destroy_tp_group(group)
         return 0
     requests = load_requests(args)
-    done = load_outputs(args.output) if (args.resume and args.output) else {}
+    done = load_finished(args.output, args.retry_errors) if (args.resume and args.output) else {}
     todo = [r for r in requests if r.request_id not in done]
+    partial = open_partial(args.output, append=args.resume)
     start = time.perf_counter()
-    fresh = dict(zip((r.index for r in todo), engine.generate(todo, progress=not args.quiet)))
+    fresh = dict(zip((r.index for r in todo), engine.generate(todo, progress=not args.quiet, on_output=partial)))
     wall_s = time.perf_counter() - start
     engine.shutdown()
-    outputs = [fresh[r.index] if r.index in fresh else RequestOutput(**_output_fields(done[r.request_id]))
-               for r in requests]
+    outputs = [fresh[r.index] if r.index in fresh else output_from_json(done[r.request_id]) for r in requests]
     if args.output:
         write_outputs(args.output, outputs)
+        partial.close(remove=True)
     if not args.quiet:
         report(outputs, requests, group.tp_size, wall_s)
+        if engine.driver.spec is not None:
+            spec = engine.driver.spec
+            print(spec.stats.summary(spec.method, spec.num_speculative_tokens))
     destroy_tp_group(group)
     return 0
 
 
-def _output_fields(obj):
-    keys = ("id", "text", "token_ids", "finish_reason", "error", "num_prompt_tokens", "logprobs")
-    return {k: obj.get(k) for k in keys if k in obj}
+def _num_speculative_tokens(args) -> int:
+    if args.num_speculative_tokens is not None:
+        return args.num_speculative_tokens
+    return 4 if args.speculative_method else 0
+
+
+def _in_collective(exc: BaseException) -> bool:
+    """True if ``exc`` was raised inside a ``torch.distributed`` collective (a peer died, a timeout)."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    return any("torch/distributed/" in frame.filename.replace(os.sep, "/")
+               for frame in traceback.extract_tb(exc.__traceback__))
+
+
+def run(argv=None) -> int:
+    """:func:`main` with the failure policy: ``[rank R] error: ...`` on stderr, exit status 1.
+
+    Bad input and startup errors (``ValueError``, ``FileNotFoundError``), a
+    driver abort and a failed collective print one line; anything else
+    prints its traceback first.  ``os._exit`` skips interpreter teardown,
+    which could block on a process group whose peers are gone.
+    """
+    rank = os.environ.get("RANK", "0")
+    try:
+        return main(argv)
+    except (ValueError, FileNotFoundError, DriverAborted) as exc:
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - every failure exits 1
+        if _in_collective(exc):
+            first = (str(exc).strip().splitlines() or [""])[0]
+            print(f"[rank {rank}] error: a collective failed: another rank died or timed out "
+                  f"(torchrun's summary names the first failed rank): {type(exc).__name__}: {first}",
+                  file=sys.stderr, flush=True)
+        else:  # a bug: show where
+            traceback.print_exc()
+            print(f"[rank {rank}] error: unexpected {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -127,7 +127,7 @@ def test_device_mismatch_raises():
 
 
 def test_backends_listed():
-    assert BACKENDS == ("auto", "torch", "triton", "reference")
+    assert BACKENDS == ("auto", "cpu", "torch", "triton", "reference")
 
 
 def test_triton_backend_refuses_cpu_tensors_without_interpreter():

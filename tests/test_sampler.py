@@ -255,3 +255,17 @@ def test_validation_errors():
         sample(torch.zeros(2, 100), make_meta(2), shard, TPGroup())
     with pytest.raises(ValueError, match="num_logprobs=101 > org_vocab_size=100"):
         sample(torch.zeros(2, 128), make_meta(2, num_logprobs=101), shard, TPGroup())
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_without_logprobs_tokens_are_unchanged(method):
+    """``return_logprobs=False`` skips the log-sum-exp pass; the tokens stay the same."""
+    from dataclasses import replace
+
+    full = random_logits(6, 1001, seed=4)
+    meta = make_meta(6, **METHODS[method])
+    for tp in (1, 3):
+        with_lp = run(full, meta, tp)
+        without = run(full, replace(meta, return_logprobs=False), tp)
+        assert torch.equal(without.token_ids, with_lp.token_ids)
+        assert torch.isnan(without.logprobs[~without.bad_rows]).all()

@@ -16,9 +16,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-#: Collective timeout.  A rank that dies makes the others fail a collective
-#: after at most this long instead of hanging forever.
-DEFAULT_TIMEOUT_S = 120.0
+#: Collective timeout (seconds), chosen deliberately.  A rank that *dies* is
+#: noticed much sooner: gloo peers fail their next collective at once (closed
+#: socket), and torchrun's agent stops every worker as soon as one exits
+#: non-zero.  The timeout is the backstop for a rank that is alive but stuck
+#: (or NCCL without torchrun), so it must exceed the longest legitimate wait
+#: in a collective: the driver converting the default model on first use, or
+#: compiling every request's grammar before the first step, while the other
+#: ranks wait in a broadcast.  ``generate.py --collective-timeout`` sets it.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,13 @@ def init_tp_group(
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        check_same_device_type(exchange_device_types(store, rank, world_size, device.type))
         dist.init_process_group(
-            backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+            world_size=world_size, timeout=timeout,
             **({"device_id": device} if backend == "nccl" else {}),
         )
     return TPGroup(
@@ -127,6 +137,31 @@ def init_tp_group(
         process_group=dist.group.WORLD,
         backend=backend,
     )
+
+
+def exchange_device_types(store, rank: int, world_size: int, device_type: str) -> list[str]:
+    """All-gather each rank's device type (``"cpu"``, ``"cuda"``) through the rendezvous store.
+
+    Done before ``init_process_group``: ranks that disagree would pick
+    different backends, whose initialisation could hang instead of failing.
+    """
+    prefix = f"tpguide/device_type/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}{rank}", device_type)
+    return [store.get(f"{prefix}{r}").decode() for r in range(world_size)]
+
+
+def check_same_device_type(device_types: list[str]) -> None:
+    """Raise ``ValueError`` naming the ranks if the ranks are not all on one device type.
+
+    Sharded sampling is bit-identical across tp sizes only on one device
+    type (DESIGN.md §6), and NCCL needs every rank on CUDA.
+    """
+    kinds = sorted(set(device_types))
+    if len(kinds) > 1:
+        shown = "; ".join(f"{k} on rank(s) {[r for r, t in enumerate(device_types) if t == k]}" for k in kinds)
+        raise ValueError(f"mixed device types across ranks ({shown}); every rank must use the same "
+                         f"device type: give every rank a GPU, or hide the GPUs from all of them "
+                         f"(CUDA_VISIBLE_DEVICES=\"\")")
 
 
 def destroy_tp_group(group: TPGroup) -> None:

@@ -8,14 +8,16 @@ message, and the rest of the batch goes on.
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
 
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
+from tpguide.engine.speculative import make_speculator
 from tpguide.engine.step_plan import StepPlan, build_step_plan
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.model.vocab_shard import VocabShard
@@ -42,18 +44,30 @@ class Driver:
         self._backend = None  # built on the first guided request (takes a few seconds)
         self.guided: Optional[GuidedDecoder] = None
         self.requests: List[Request] = []
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec = make_speculator(config)  # None unless speculative decoding is on
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
+                                   propose_drafts=self.spec.propose if self.spec else None)
+        self._row_owner: List[int] = []  # sample row -> index in self._scheduled
         self.step = 0
         self._bar: Optional[tqdm] = None
         self._scheduled: List[ScheduledRequest] = []
+        #: ``{row: why}`` of this step's non-finite sample rows (set by the engine, see faults.py)
+        self.bad_row_notes: Dict[int, str] = {}
 
     # ------------------------------------------------------------ admission
     def _guided_decoder(self) -> GuidedDecoder:
         if self.guided is None:
             self._backend = make_backend(self.config.guided_backend, self.tokenizer,
                                          self.padded_vocab_size, sorted(self.stop_token_ids))
-            self.guided = GuidedDecoder(self._backend, self.padded_vocab_size,
-                                        self.config.max_num_seqs)
+            if self.spec is None:
+                self.guided = GuidedDecoder(self._backend, self.padded_vocab_size,
+                                            self.config.max_num_seqs)
+            else:  # 1 + K rows per request
+                from tpguide.guided.spec_decoder import SpeculativeGuidedDecoder
+
+                self.guided = SpeculativeGuidedDecoder(
+                    self._backend, self.padded_vocab_size,
+                    self.config.max_num_seqs * (1 + self.config.num_speculative_tokens))
         return self.guided
 
     def tokenize(self, req: Request) -> List[int]:
@@ -66,6 +80,8 @@ class Driver:
 
     def _prepare(self, req: Request) -> None:
         """Tokenize, check lengths, compile the grammar; raises ValueError on bad input."""
+        if req.prompt is not None and not req.prompt.strip():
+            raise ValueError(f"the prompt is empty or whitespace only: {req.prompt!r}")
         ids = self.tokenize(req)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -122,18 +138,23 @@ class Driver:
         ]
         plan = build_step_plan(scheduled, guided=any(r is not None for r in guided_rows))
         self._scheduled = scheduled
+        self._row_owner = [i for i, s in enumerate(scheduled) for _ in range(1 + s.num_draft_tokens)]
+        if self.spec is not None:  # (slot, drafts) per request: 1 + k rows each
+            guided_rows = [(slot, s.token_ids[1:1 + s.num_draft_tokens]) for slot, s in zip(guided_rows, scheduled)]
         return plan, guided_rows
 
     def fill_bitmask(self, guided_rows: Sequence[Optional[int]]):
         """Runs in a worker thread while the forward runs."""
+        if self.spec is not None:
+            return self.guided.fill_bitmask_with_drafts(guided_rows)
         return self.guided.fill_bitmask(list(guided_rows))
 
     def finish_bitmask(self, filled) -> Tuple[torch.Tensor, torch.Tensor]:
         """Fail dead-end rows' requests and drop them from ``token_mask``."""
         token_bitmask, token_mask, dead_rows = filled
         for row in dead_rows:
-            req = self._scheduled[row].request  # one sample row per scheduled request
-            req.fail(f"grammar dead end at step {self.step}: no token is allowed after "
+            req = self._scheduled[self._row_owner[row]].request
+            req.fail(f"grammar dead end at step {self.step + 1}: no token is allowed after "
                      f"{len(req.output_token_ids)} generated tokens")
             token_mask[row] = 0
         return token_bitmask, token_mask
@@ -144,22 +165,37 @@ class Driver:
     def process_outputs(self, scheduled: List[ScheduledRequest], out) -> None:
         """Advance every scheduled request by this step's sampled token."""
         self.step += 1
+        notes, self.bad_row_notes = self.bad_row_notes, {}
         token_ids = out.token_ids.tolist()
         bad = out.bad_rows.tolist() if getattr(out, "bad_rows", None) is not None else [False] * len(token_ids)
         now = time.perf_counter()
-        for row, s in enumerate(scheduled):
-            req = s.request
+        row = 0
+        for s in scheduled:
+            req, first_row = s.request, row
+            row += 1 + s.num_draft_tokens
             req.num_computed_tokens += len(s.token_ids)
-            if not req.is_finished and s.samples:
-                if bad[row]:
-                    req.fail(f"non-finite logits at step {self.step} (all -inf or NaN)")
+            if not req.is_finished and s.samples and self.spec is not None and not s.is_prefill:
+                self.spec.verify(self, req, s.token_ids[1:1 + s.num_draft_tokens], token_ids, bad, first_row, out)
+                req.first_token_time = req.first_token_time or now
+            elif not req.is_finished and s.samples:
+                if bad[first_row]:
+                    note = notes.get(first_row, "all -inf or NaN")
+                    req.fail(f"non-finite logits at step {self.step}: {note}")
+                    print(f"[rank 0] step {self.step}: request {req.request_id!r} failed: {req.error}",
+                          file=sys.stderr, flush=True)
                 else:
-                    self._append(req, token_ids[row], out, row)
+                    self._append(req, token_ids[first_row], out, first_row)
                     req.first_token_time = req.first_token_time or now
             if req.is_finished:
                 self._release(req)
 
-    def _append(self, req: Request, token: int, out, row: int) -> None:
+    def _append(self, req: Request, token: int, out, row: int, advance_matcher: bool = True) -> None:
+        """Append one output token and check the stop conditions.
+
+        ``advance_matcher=False``: a verified draft the matcher already
+        accepted while filling (it can only terminate on a stop token, which
+        the stop-token check below catches).
+        """
         req.output_token_ids.append(token)
         if req.sampling_params.logprobs:
             n = req.sampling_params.logprobs
@@ -169,7 +205,7 @@ class Driver:
                 "top": [[int(i), float(v)] for i, v in
                         zip(out.top_logprob_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist())],
             })
-        if req.structured_output is not None:
+        if req.structured_output is not None and advance_matcher:
             try:
                 if not self.guided.accept_token(req.slot, token):
                     req.fail(f"grammar matcher rejected token {token} at step {self.step}")
@@ -187,6 +223,20 @@ class Driver:
         elif req.num_tokens >= self.config.max_model_len:
             req.finish("length")
 
+    def record_prompt_logprobs(self, plan: StepPlan, prompt) -> None:
+        """Append this step's prompt logprobs (a :class:`PromptLogprobs`) to their requests."""
+        offsets = plan.prompt_row_offsets
+        logprobs, top_ids, top_lps = prompt.logprobs.tolist(), prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
+        targets = plan.prompt_target_ids.tolist()
+        for i, s in enumerate(self._scheduled):
+            n = s.request.sampling_params.prompt_logprobs or 0
+            for row in range(offsets[i], offsets[i + 1]):
+                s.request.prompt_logprobs.append({
+                    "token_id": targets[row],
+                    "logprob": logprobs[row],
+                    "top": [[i_, lp] for i_, lp in zip(top_ids[row][:n], top_lps[row][:n])],
+                })
+
     def _release(self, req: Request) -> None:
         if req.slot is not None and self.scheduler.running.get(req.slot) is req:
             if self.guided is not None and req.structured_output is not None:
@@ -200,16 +250,20 @@ class Driver:
         """Outputs of every request, in input order."""
         if self._bar is not None:
             self._bar.close()
-        outputs = []
-        for req in self.requests:
-            ids = req.output_token_ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-            elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
-            outputs.append(RequestOutput(
-                id=req.request_id, text=text, token_ids=list(ids),
-                finish_reason=req.finish_reason or "error", error=req.error,
-                num_prompt_tokens=len(req.prompt_token_ids),
-                logprobs=req.output_logprobs if req.sampling_params.logprobs else None,
-                elapsed_s=elapsed,
-            ))
-        return outputs
+        return [self.output_of(req) for req in self.requests]
+
+    def output_of(self, req: Request) -> RequestOutput:
+        """The output line of one request (final once ``req.is_finished``)."""
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
+        return RequestOutput(
+            id=req.request_id, text=text, token_ids=list(ids),
+            finish_reason=req.finish_reason or "error", error=req.error,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            logprobs=req.output_logprobs if req.sampling_params.logprobs else None,
+            elapsed_s=elapsed,
+            prompt_logprobs=([None] + req.prompt_logprobs
+                             if req.sampling_params.prompt_logprobs is not None and req.prompt_token_ids
+                             else None),
+        )

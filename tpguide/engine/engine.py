@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
+from tpguide.dist.fault_inject import step_fault_hook
 from tpguide.engine.driver import Driver
+from tpguide.engine.faults import abort_plan_for, describe_bad_rows, nonfinite_ranks, raise_if_abort
+from tpguide.engine.prompt_logprobs import prompt_logprobs_for_plan
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.sampler import sample
 from tpguide.engine.step_plan import StepPlan
@@ -51,6 +54,12 @@ class EngineConfig:
         Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
     dtype : torch.dtype
         Weights and activations (logits are fp32).
+    speculative_method : {None, "ngram", "draft-head"}
+        Draft tokens verified by the target model each decode step
+        (:mod:`tpguide.engine.speculative`); None = off.  ``"draft-head"`` is
+        validated but not wired into the step loop yet (raises).
+    num_speculative_tokens : int
+        ``K``, the most drafts per request per step (``>= 1`` with a method, 0 without).
     """
 
     max_num_seqs: int = 16
@@ -59,8 +68,11 @@ class EngineConfig:
     guided_backend: str = "xgrammar"
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
+        _check_speculative(self.speculative_method, self.num_speculative_tokens)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -68,6 +80,20 @@ class EngineConfig:
             raise ValueError(f"guided_backend must be 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def _check_speculative(method: Optional[str], k: int) -> None:
+    from tpguide.engine.speculative import SPECULATIVE_METHODS
+
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be None or one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+    if method is None and k != 0:
+        raise ValueError(f"num_speculative_tokens={k} needs a speculative_method")
+    if method is not None and not 1 <= k <= 16:
+        raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative_method={method!r}, got {k}")
+    if method == "draft-head":
+        raise ValueError("speculative_method='draft-head' is not wired into the engine yet "
+                         "(the sharded draft head is tpguide.engine.draft_head); use 'ngram'")
 
 
 class Engine:
@@ -96,27 +122,55 @@ class Engine:
                 raise ValueError("the driver needs a tokenizer")
             self.driver = Driver(tokenizer, list(stop_token_ids or []), self.shard, config)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+        self._on_step = step_fault_hook(group)  # a no-op unless TPGUIDE_FAULT_INJECT names this rank
 
     # ------------------------------------------------------------------ driver
-    def generate(self, requests: List[Request], progress: bool = False) -> List[RequestOutput]:
+    def generate(self, requests: List[Request], progress: bool = False,
+                 on_output: Optional[Callable[[RequestOutput], None]] = None) -> List[RequestOutput]:
         """Run ``requests`` to completion (driver only); outputs in input order.
 
         Requests that fail validation or decoding finish with
-        ``finish_reason="error"``; the others are unaffected.
+        ``finish_reason="error"``; the others are unaffected.  ``on_output``
+        is called with each request's output as soon as it finishes (in
+        finishing order), e.g. to stream it to disk.
+
+        An unexpected exception between steps is broadcast to the other
+        ranks as an abort (they raise :class:`~tpguide.engine.faults.DriverAborted`)
+        and re-raised; inside a step it is re-raised and the process must
+        exit (see :mod:`tpguide.engine.faults`).
         """
         assert self.driver is not None, "generate() runs on the driver; other ranks run run_worker()"
         drv = self.driver
-        drv.start(requests, progress=progress)
-        while drv.has_work():
-            scheduled = drv.schedule()
-            if not scheduled:
-                break
-            plan, guided_rows = drv.build_plan(scheduled)
-            future = self._pool.submit(drv.fill_bitmask, guided_rows) if plan.guided else None
-            C.broadcast_object(plan, self.group)
-            out = self._execute(plan, future)
-            drv.process_outputs(scheduled, out)
+        in_step, reported = False, set()
+        try:
+            drv.start(requests, progress=progress)
+            self._report_finished(drv.requests, on_output, reported)
+            while drv.has_work():
+                scheduled = drv.schedule()
+                if not scheduled:
+                    break
+                plan, guided_rows = drv.build_plan(scheduled)
+                future = self._pool.submit(drv.fill_bitmask, guided_rows) if plan.guided else None
+                in_step = True
+                C.broadcast_object(plan, self.group)
+                out = self._execute(plan, future)
+                in_step = False
+                drv.process_outputs(scheduled, out)
+                self._report_finished([s.request for s in scheduled], on_output, reported)
+        except Exception as exc:
+            if not in_step:
+                C.broadcast_object(abort_plan_for(exc), self.group)
+            raise
         return drv.finish()
+
+    def _report_finished(self, requests: Sequence[Request], on_output, reported: set) -> None:
+        """Call ``on_output`` once for each newly finished request (``reported``: indices done)."""
+        if on_output is None:
+            return
+        for req in requests:
+            if req.is_finished and req.index not in reported:
+                reported.add(req.index)
+                on_output(self.driver.output_of(req))
 
     def shutdown(self) -> None:
         """Tell every rank to leave its loop (driver), then free the thread pool."""
@@ -131,6 +185,7 @@ class Engine:
         while True:
             plan: StepPlan = C.broadcast_object(None, self.group)
             if plan.stop:
+                raise_if_abort(plan, self.group)
                 break
             self._execute(plan, None)
         self._pool.shutdown(wait=True)
@@ -138,14 +193,24 @@ class Engine:
     # ------------------------------------------------------------------ all ranks
     def _execute(self, plan: StepPlan, bitmask_future):
         """Forward, LM-head shard, own bitmask slice, vocab-parallel sampling."""
+        self._on_step()
         dev = self.group.device
         meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
         hidden = self.model(plan.input_ids.to(dev), plan.positions.to(dev), meta)  # [T, H]
+        if plan.selected_prompt_indices is not None:
+            prompt = prompt_logprobs_for_plan(self.model, hidden, plan, self.group)
+            if self.driver is not None:
+                self.driver.record_prompt_logprobs(plan, prompt)
         rows = plan.selected_token_indices.to(device=dev, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
         if plan.guided:
             self._apply_bitmask(logits, bitmask_future)
-        return sample(logits, plan.sampling.to(dev), self.shard, self.group)
+        out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
+        if bool(out.bad_rows.any()):  # identical on every rank: a collective every rank makes
+            notes = describe_bad_rows(nonfinite_ranks(logits, self.group))
+            if self.driver is not None:
+                self.driver.bad_row_notes = notes
+        return out
 
     def _apply_bitmask(self, logits: torch.Tensor, bitmask_future) -> None:
         num_rows = logits.shape[0]

@@ -7,6 +7,7 @@ multi-rank tests (:func:`tpguide.dist.spawn.run_on_ranks`).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from tpguide.dist import TPGroup
@@ -14,6 +15,7 @@ from tpguide.dist import collectives as C
 from tpguide.engine.engine import Engine, EngineConfig
 from tpguide.engine.request import RequestOutput
 from tpguide.engine.request_io import parse_request_lines
+from tpguide.model.config import ModelConfig
 
 
 def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
@@ -31,15 +33,26 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     from tpguide.model.loader import load_model
 
     model_dir = str(model_dir) if model_dir else str(default_model_dir(group=group))
-    tokenizer = stop_ids = None
+    # every rank checks the directory and tp size before the first collective,
+    # so each one fails with the same clear message
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {model_dir!r} does not exist")
+    ModelConfig.from_pretrained(model_dir).check_tp_size(group.tp_size)
+    tokenizer = stop_ids = error = None
     if group.is_driver:
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
 
-        from tpguide.guided import collect_stop_token_ids
+            from tpguide.guided import collect_stop_token_ids
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        stop_ids = collect_stop_token_ids(tokenizer, model_dir)
-    tokenizer_vocab_size = C.broadcast_object(len(tokenizer) if tokenizer is not None else None, group)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            stop_ids = collect_stop_token_ids(tokenizer, model_dir)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+            error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
+    tokenizer_vocab_size, error = C.broadcast_object(
+        (len(tokenizer) if tokenizer is not None else None, error), group)
+    if error is not None:
+        raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
     model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size)
     return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids)
 

@@ -27,6 +27,7 @@ class Request:
     prompt_token_ids: List[int] = field(default_factory=list)
     output_token_ids: List[int] = field(default_factory=list)
     output_logprobs: List[Dict[str, Any]] = field(default_factory=list)
+    prompt_logprobs: List[Optional[Dict[str, Any]]] = field(default_factory=list)  # [None, {...}, ...]
     num_computed_tokens: int = 0
     slot: Optional[int] = None
     finish_reason: Optional[str] = None
@@ -79,6 +80,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     logprobs: Optional[List[Dict[str, Any]]] = None
     elapsed_s: float = 0.0
+    prompt_logprobs: Optional[List[Optional[Dict[str, Any]]]] = None
 
     def to_json(self) -> Dict[str, Any]:
         out = {
@@ -91,4 +93,6 @@ class RequestOutput:
         }
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
         return out

@@ -7,7 +7,7 @@ Request line (field names follow vLLM's structured-outputs parameters)::
                           | {"grammar": str} | {"json_object": true}
                           | {"structural_tag": ...} | null,
      "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-     "seed": int, "logprobs": int}
+     "seed": int, "logprobs": int, "prompt_logprobs": int | null}
 
 A line that cannot be parsed or validated becomes a request that is already
 finished with ``finish_reason="error"``: it still gets its output line, in
@@ -26,9 +26,9 @@ from tpguide.engine.sampling_params import SamplingParams
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
-     "top_k", "top_p", "seed", "logprobs"}
+     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs"}
 )
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs")
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:
@@ -53,6 +53,8 @@ def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:
         raise ValueError("a request needs exactly one of 'prompt' or 'messages'")
     if has_prompt and not isinstance(obj["prompt"], str):
         raise ValueError(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
+    if has_prompt and not obj["prompt"].strip():
+        raise ValueError(f"'prompt' is empty or whitespace only: {obj['prompt']!r}")
     messages = obj.get("messages")
     if has_messages:
         if not isinstance(messages, list) or not messages:
@@ -84,7 +86,10 @@ def parse_request_lines(lines: Iterable[str], default_max_tokens: int) -> List[R
         index = len(requests)
         raw_id = str(index)
         try:
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from exc
             if isinstance(obj, dict) and "id" in obj:
                 raw_id = str(obj["id"])
             requests.append(request_from_dict(obj, index, default_max_tokens))

@@ -70,7 +70,7 @@ plus one ``[rows, 2]`` int64 all-reduce (128 / 512 bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -109,6 +109,10 @@ class SamplingMetadata:
         Absolute position of the token each row produces (tokens, ``>= 0``).
     num_logprobs : int
         Top-n logprobs to return per row (max over the batch); 0 = none.
+    return_logprobs : bool
+        Compute :attr:`SamplerOutput.logprobs` (forced on when ``num_logprobs > 0``).
+        When off and no row uses top-p alone, the log-sum-exp pass over the
+        vocabulary and its all-reduce are skipped, and ``logprobs`` is NaN.
 
     Raises
     ------
@@ -122,6 +126,7 @@ class SamplingMetadata:
     seeds: torch.Tensor
     sample_positions: torch.Tensor
     num_logprobs: int = 0
+    return_logprobs: bool = True
 
     def __post_init__(self) -> None:
         rows = self.temperature.shape
@@ -151,7 +156,7 @@ class SamplingMetadata:
     def to(self, device: torch.device | str) -> "SamplingMetadata":
         """A copy with every tensor on ``device`` (not in place)."""
         moved = {f: getattr(self, f).to(device) for f in ("temperature", "top_k", "top_p", "seeds", "sample_positions")}
-        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs)
+        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs, return_logprobs=self.return_logprobs)
 
 
 @dataclass(frozen=True)
@@ -253,10 +258,12 @@ def local_candidates(
     """
     x = logits_shard.to(torch.float32) + 0.0  # [rows, V_local]; -0.0 -> +0.0
     rows, width = x.shape
-    ids = torch.arange(shard.vocab_start_index, shard.vocab_start_index + width, device=x.device)
-    keys = _order_keys(x, ids)  # [rows, V_local]
-    max_key = keys.max(dim=-1).values
-    bad = (torch.isnan(x) | (x == float("inf"))).any(dim=-1)
+    start = shard.vocab_start_index
+    ids = torch.arange(start, start + width, device=x.device)
+    # max and its first index = the max key (larger value, then lower id); NaN propagates
+    row_max, first = x.max(dim=-1)  # [rows]
+    max_key = _order_keys(row_max, first + start)
+    bad = torch.isnan(row_max) | (row_max == float("inf"))
     # rows that are not plain temperature rows carry the greedy pair here (no noise)
     score, winner_key = _key_values(max_key), max_key.clone()
     plain = _row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
@@ -267,8 +274,12 @@ def local_candidates(
         s = x[plain].to(torch.float64) / temp[:, None] + noise
         best = s.argmax(dim=-1, keepdim=True)  # first maximum = lowest id on ties
         score[plain] = s.gather(-1, best).squeeze(-1)
-        winner_key[plain] = keys[plain].gather(-1, best).squeeze(-1)
-    top = keys.topk(min(num_candidates, width), dim=-1).values  # sorted, largest first
+        winner_key[plain] = _order_keys(x[plain].gather(-1, best).squeeze(-1), best.squeeze(-1) + start)
+    k = min(num_candidates, width)
+    if k:  # full-row keys only when candidates are wanted: [rows, V_local] int64
+        top = _order_keys(x, ids).topk(k, dim=-1).values  # sorted, largest first
+    else:
+        top = max_key.new_empty((rows, 0))
     head = torch.stack([max_key, score.view(torch.int64), winner_key, bad.to(torch.int64)], dim=-1)
     return torch.cat([head, top], dim=-1)
 
@@ -308,7 +319,8 @@ def merge_candidates(stacked: torch.Tensor, num_candidates: int) -> Merged:
     )
 
 
-def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperature: torch.Tensor,
+                  scaled_rows: Optional[torch.Tensor] = None, plain_sum: bool = True) -> torch.Tensor:
     """Fixed-point ``sum(exp(x - gmax))`` and ``sum(exp((x - gmax) / T))`` of one rank (pure).
 
     Parameters
@@ -317,6 +329,11 @@ def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperatur
     gmax : Tensor, float64 [rows]
         Global max logit (finite; 0 on bad rows).
     inv_temperature : Tensor, float64 [rows]
+    scaled_rows : Tensor, int64 [S], optional
+        Rows whose second sum is wanted (default: all); the others get 0
+        there (the sampler needs it for top-p-only rows alone).
+    plain_sum : bool
+        Compute the first sum (else 0: no logprobs wanted).
 
     Returns
     -------
@@ -324,12 +341,34 @@ def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperatur
         Sums in units of ``2**-44``; add them over ranks.
     """
     d = logits_shard.to(torch.float64) - gmax[:, None]  # <= 0 on good rows
-    out = []
-    for scale in (None, inv_temperature):
-        e = torch.exp(d if scale is None else d * scale[:, None])
-        e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows
-        out.append(torch.round(e * _FIXED_ONE).to(torch.int64).sum(dim=-1))
-    return torch.stack(out, dim=-1)
+    out = torch.zeros((d.shape[0], 2), dtype=torch.int64, device=d.device)
+    if plain_sum:
+        out[:, 0] = fixed_point_exp_sum(d)
+    if scaled_rows is None:
+        out[:, 1] = fixed_point_exp_sum(d * inv_temperature[:, None])
+    elif scaled_rows.numel():
+        out[scaled_rows, 1] = fixed_point_exp_sum(d[scaled_rows] * inv_temperature[scaled_rows, None])
+    return out
+
+
+def fixed_point_exp_sum(d: torch.Tensor) -> torch.Tensor:
+    """``sum(exp(d), dim=-1)`` in int64 units of ``2**-44`` (pure; add the results over ranks).
+
+    Parameters
+    ----------
+    d : Tensor, float64 [rows, V_local]
+        Logits minus the global row max (``<= 0``; NaN / ``+inf`` only on bad
+        rows, where they count as 0).
+
+    Returns
+    -------
+    Tensor, int64 [rows]
+        Integer addition is associative, so the total over ranks does not
+        depend on how the vocabulary is split (DESIGN.md §6).
+    """
+    e = torch.exp(d)
+    e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows
+    return torch.round(e * _FIXED_ONE).to(torch.int64).sum(dim=-1)
 
 
 def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: SamplingMetadata,
@@ -428,8 +467,16 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     gmax = _key_values(merged.max_key)
     gmax = torch.where(torch.isfinite(gmax), gmax, 0.0)
     inv_t = 1.0 / meta.temperature.to(gmax.device, torch.float64).clamp(min=MIN_TEMPERATURE)
-    sums = exchange.reduce_sum(lambda x, s: local_sum_exp(x, gmax, inv_t))
-    log_norm = torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows, 2]
+    modes = _row_modes(meta, org)
+    top_p_only = (modes.top_p_on & ~modes.top_k_on).nonzero().squeeze(-1).to(gmax.device)  # log_norm[:, 1] users
+    want_lse = meta.return_logprobs or meta.num_logprobs > 0
+    if want_lse or top_p_only.numel():  # the same decision on every rank
+        sums = exchange.reduce_sum(lambda x, s: local_sum_exp(x, gmax, inv_t, top_p_only, plain_sum=want_lse))
+        log_norm = torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows, 2]
+    else:
+        log_norm = gmax.new_zeros((gmax.shape[0], 2))
+    if not want_lse:
+        log_norm[:, 0] = float("nan")
     out, needs_more = _finish(merged, gmax, log_norm, meta, org)
     while bool(needs_more.any()):  # same decision on every rank: the inputs are identical
         k = min(k * TOP_P_GROWTH, org)

@@ -25,6 +25,9 @@ class SamplingParams:
         request's index when ``None`` (outputs stay reproducible).
     logprobs : int
         Return the top-``logprobs`` log-probabilities per generated token (0 = none).
+    prompt_logprobs : int or None
+        ``None`` = off; ``n`` = per prompt token after the first, its logprob
+        given the prefix plus the top-``n`` (vLLM semantics; 0 = the token only).
 
     Raises
     ------
@@ -38,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: Optional[int] = None
     logprobs: int = 0
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -54,3 +58,7 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative int or null, got {self.seed!r}")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be an int in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be null or an int in [0, 20], got {self.prompt_logprobs!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List
+from typing import Callable, Deque, Dict, List, Optional
 
 from tpguide.engine.request import Request
 
@@ -36,6 +36,9 @@ class ScheduledRequest:
     samples : bool
         The step's sample for this request is used (decode, or the last
         prompt chunk); a non-final prompt chunk's sample is discarded.
+    num_draft_tokens : int
+        Decode only: ``token_ids[1:]`` are draft tokens to verify
+        (speculative decoding, :mod:`tpguide.engine.speculative`).
     """
 
     request: Request
@@ -44,6 +47,7 @@ class ScheduledRequest:
     start_position: int
     is_prefill: bool
     samples: bool
+    num_draft_tokens: int = 0
 
 
 class Scheduler:
@@ -55,6 +59,10 @@ class Scheduler:
         KV-cache slots = requests running at once.
     max_num_batched_tokens : int
         Token budget of one step (prefill chunks are cut to fit).
+    propose_drafts : callable, optional
+        ``propose_drafts(request, budget) -> list of int``: draft tokens a
+        decode step verifies after the last sampled token (at most
+        ``budget - 1``); None disables speculative decoding.
 
     Raises
     ------
@@ -62,7 +70,8 @@ class Scheduler:
         If a limit is not positive.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 propose_drafts: Optional[Callable[[Request, int], List[int]]] = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
@@ -70,6 +79,7 @@ class Scheduler:
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.propose_drafts = propose_drafts
         self.waiting: Deque[Request] = deque()
         self.running: Dict[int, Request] = {}
         self.free_slots: List[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -93,13 +103,18 @@ class Scheduler:
         """Pick this step's work; admitted requests get a slot."""
         budget = self.max_num_batched_tokens
         seqs: List[ScheduledRequest] = []
+        decoding = [slot for slot, req in self.running.items() if not req.is_prefill]
         for slot, req in sorted(self.running.items()):
             if budget == 0:
                 break
             if not req.is_prefill:
-                seqs.append(ScheduledRequest(req, slot, [req.output_token_ids[-1]],
-                                         req.num_tokens - 1, False, True))
-                budget -= 1
+                decoding.remove(slot)  # drafts never take the golden token of a later decode
+                spare = budget - len(decoding)
+                drafts = self.propose_drafts(req, spare) if self.propose_drafts and spare > 1 else []
+                assert len(drafts) < max(spare, 1), (len(drafts), spare)
+                seqs.append(ScheduledRequest(req, slot, [req.output_token_ids[-1]] + drafts,
+                                         req.num_tokens - 1, False, True, len(drafts)))
+                budget -= 1 + len(drafts)
         for slot, req in sorted(self.running.items()):
             if budget > 0 and req.is_prefill:
                 budget -= self._prefill_chunk(req, slot, budget, seqs)

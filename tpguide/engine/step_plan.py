@@ -38,6 +38,15 @@ class StepPlan:
         A bitmask (token_mask broadcast + slice scatter) follows the forward.
     stop : bool
         The driver has no more work: every rank leaves its loop.
+    selected_prompt_indices : torch.Tensor or None
+        int32 ``[num_prompt_rows]``: hidden-state rows whose log-softmax gives
+        prompt logprobs (DESIGN.md §4); ``None`` when no request asks for them.
+    prompt_target_ids : torch.Tensor or None
+        int64 ``[num_prompt_rows]``: the prompt token each of those rows scores.
+    prompt_row_offsets : list of int or None
+        ``[num_seqs + 1]``: sequence ``i`` owns prompt rows ``[off[i], off[i+1])``.
+    num_prompt_logprobs : int
+        Top-n prompt logprobs per row (max over the batch).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +58,10 @@ class StepPlan:
     sampling: Optional[SamplingMetadata]
     guided: bool = False
     stop: bool = False
+    selected_prompt_indices: Optional[torch.Tensor] = None
+    prompt_target_ids: Optional[torch.Tensor] = None
+    prompt_row_offsets: Optional[List[int]] = None
+    num_prompt_logprobs: int = 0
 
     @classmethod
     def stop_plan(cls) -> "StepPlan":
@@ -69,6 +82,8 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> StepPlan
             prompt_len=len(s.request.prompt_token_ids),
             is_prefill=s.is_prefill,
             is_last_prefill_chunk=s.is_prefill and s.samples,
+            num_draft_tokens=s.num_draft_tokens,
+            want_prompt_logprobs=s.request.sampling_params.prompt_logprobs is not None,
         )
         for s in scheduled
     ]
@@ -87,7 +102,11 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> StepPlan
         seeds=torch.tensor([scheduled[i].request.seed for i in rows], dtype=torch.int64),
         sample_positions=inputs.sample_positions.to(torch.int64),
         num_logprobs=max((p.logprobs for p in params), default=0),
+        return_logprobs=any(p.logprobs for p in params),  # else the sampler skips log-sum-exp
     )
+    prompt_fields = {}
+    if inputs.num_prompt_rows:
+        prompt_fields = _prompt_fields(scheduled, inputs)
     return StepPlan(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
@@ -97,4 +116,21 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> StepPlan
         selected_token_indices=inputs.selected_token_indices,
         sampling=sampling,
         guided=guided,
+        **prompt_fields,
+    )
+
+
+def _prompt_fields(scheduled: List[ScheduledRequest], inputs) -> dict:
+    """StepPlan fields for prompt logprobs: rows, the prompt tokens they score, offsets."""
+    offsets = inputs.prompt_row_offsets.tolist()
+    targets = inputs.prompt_target_positions.tolist()
+    target_ids: List[int] = []
+    for i, s in enumerate(scheduled):
+        prompt = s.request.prompt_token_ids
+        target_ids.extend(prompt[p] for p in targets[offsets[i]:offsets[i + 1]])
+    return dict(
+        selected_prompt_indices=inputs.selected_prompt_indices,
+        prompt_target_ids=torch.tensor(target_ids, dtype=torch.int64),
+        prompt_row_offsets=offsets,
+        num_prompt_logprobs=max((s.request.sampling_params.prompt_logprobs or 0) for s in scheduled),
     )

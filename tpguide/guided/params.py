@@ -22,6 +22,8 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from tpguide.guided.schema_check import check_schema_has_finite_instance
+
 #: Keys accepted in the ``"structured_output"`` object of a request line.
 GUIDE_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -114,7 +116,9 @@ class StructuredOutputsParams:
         """Check the set field and return its canonical text (what backends compile)."""
         value = getattr(self, key)
         if key == "json":
-            return _json_object_text("json", value)
+            text = _json_object_text("json", value)
+            check_schema_has_finite_instance(_json.loads(text))
+            return text
         if key == "structural_tag":
             return _json_object_text("structural_tag", value)
         if key == "json_object":

@@ -5,7 +5,8 @@ One file per backend, named after its function (as in xgrammar's
 
 * :mod:`.apply_token_bitmask` -- public entry point and ``backend=`` dispatch;
 * :mod:`.apply_token_bitmask_reference` -- plain-torch bool-mask oracle;
-* :mod:`.apply_token_bitmask_torch` -- vectorised torch path (CPU default);
+* :mod:`.apply_token_bitmask_cpu` -- C kernel compiled on first use (CPU default);
+* :mod:`.apply_token_bitmask_torch` -- vectorised torch path (CPU fallback, any device);
 * :mod:`.apply_token_bitmask_triton` -- Triton kernel (CUDA default).
 """
 

@@ -1,6 +1,7 @@
 """Dispatcher of :func:`apply_token_bitmask_inplace`: validates, then picks a backend.
 
-Backends are imported lazily, so a CPU-only install never imports Triton.
+Backends are imported lazily, so a CPU-only install never imports Triton (and
+the C CPU kernel is compiled only when first used).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 BITS_PER_WORD = 32
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Values accepted by ``backend=``.
-BACKENDS = ("auto", "torch", "triton", "reference")
+BACKENDS = ("auto", "cpu", "torch", "triton", "reference")
+_IMPLS: dict = {}  # backend name -> its function, imported on first use
 
 
 def apply_token_bitmask_inplace(
@@ -58,8 +60,9 @@ def apply_token_bitmask_inplace(
         with ``d2t``).
     draft_vocab_start_index : int
         First global draft id of this shard (only with ``d2t``).
-    backend : {"auto", "torch", "triton", "reference"}
-        ``"auto"``: Triton for CUDA tensors, the vectorised torch path otherwise.
+    backend : {"auto", "cpu", "torch", "triton", "reference"}
+        ``"auto"``: see :func:`resolve_backend`.  ``"cpu"``: the compiled C
+        kernel (CPU tensors).  ``"torch"``: the vectorised torch/NumPy path.
 
     Raises
     ------
@@ -67,15 +70,53 @@ def apply_token_bitmask_inplace(
         A tensor argument has the wrong type or dtype.
     ValueError
         Shapes, devices, indices or ``backend`` are invalid.
+    RuntimeError
+        ``backend="cpu"`` but the C kernel cannot be compiled on this machine.
     """
     _check_args(logits, bitmask, token_mask, d2t, vocab_start_index, draft_vocab_start_index)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if logits.shape[0] == 0 or logits.shape[1] == 0:
         return
-    if backend == "auto":
-        backend = "triton" if logits.device.type == "cuda" else "torch"
-    if backend == "torch":
+    if backend == "auto":  # resolve_backend, without building a torch.device per call
+        backend = "triton" if logits.is_cuda else "cpu" if logits.is_cpu and _cpu_kernel_loads() else "torch"
+    impl = _IMPLS.get(backend) or _import_impl(backend)
+    impl(logits, bitmask, token_mask=token_mask, d2t=d2t, draft_vocab_start_index=draft_vocab_start_index)
+
+
+def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
+    """The backend ``backend=`` selects for tensors on ``device``.
+
+    ``"auto"`` is ``"triton"`` on CUDA; elsewhere ``"cpu"`` (the C kernel) when
+    it compiles and loads on this machine, else ``"torch"`` (the reason is
+    logged once at debug level).  Any other name is returned unchanged.
+
+    Raises
+    ------
+    ValueError
+        ``backend`` is not one of :data:`BACKENDS`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "triton"
+    return "cpu" if device_type == "cpu" and _cpu_kernel_loads() else "torch"
+
+
+def _cpu_kernel_loads() -> bool:
+    """Whether the C CPU kernel compiles and loads here (tried once per process)."""
+    from tpguide.kernels import apply_token_bitmask_cpu
+
+    return apply_token_bitmask_cpu.load_cpu_kernel() is not None
+
+
+def _import_impl(backend: str):
+    if backend == "cpu":
+        from tpguide.kernels.apply_token_bitmask_cpu import apply_token_bitmask_inplace_cpu as impl
+    elif backend == "torch":
         from tpguide.kernels.apply_token_bitmask_torch import apply_token_bitmask_inplace_torch as impl
     elif backend == "triton":
         from tpguide.kernels.apply_token_bitmask_triton import apply_token_bitmask_inplace_triton as impl
@@ -83,7 +124,8 @@ def apply_token_bitmask_inplace(
         from tpguide.kernels.apply_token_bitmask_reference import (
             apply_token_bitmask_inplace_reference as impl,
         )
-    impl(logits, bitmask, token_mask=token_mask, d2t=d2t, draft_vocab_start_index=draft_vocab_start_index)
+    _IMPLS[backend] = impl
+    return impl
 
 
 def _check_tensor(name: str, value, ndim: int, dtypes: tuple, device: torch.device | None) -> None:

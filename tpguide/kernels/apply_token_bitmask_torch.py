@@ -1,10 +1,12 @@
 """Vectorised CPU path of :func:`tpguide.kernels.apply_token_bitmask_inplace`.
 
-The default for CPU tensors; it also runs (dense strategy, torch ops) on any
-other device.  Logits are handled as integers of the same width, so every
-strategy is bit-exact (a disallowed NaN logit also becomes ``-inf``).  On CPU
-the index-heavy steps run on zero-copy NumPy views of the torch tensors
-(``np.take``/``np.flatnonzero`` cost a fraction of their torch twins there).
+The CPU fallback when the C kernel (:mod:`.apply_token_bitmask_cpu`) cannot
+be compiled, and the path for logits whose columns are strided; it also runs
+(dense strategy, torch ops) on any other device.  Logits are handled as
+integers of the same width, so every strategy is bit-exact (a disallowed NaN
+logit also becomes ``-inf``).  On CPU the index-heavy steps run on zero-copy
+NumPy views of the torch tensors (``np.take``/``np.flatnonzero`` cost a
+fraction of their torch twins there).
 
 * **dense** -- chunk by chunk of rows, ``x = (x & keep) | ninf`` where
   ``keep``/``ninf`` come from a 256-entry lookup table indexed by the

@@ -1,0 +1,235 @@
+"""Benchmark guided generation: tpguide against transformers + xgrammar, side by side.
+
+On the embedded SmolLM2-135M-Instruct (or ``--model``), a batch of chat
+requests that must answer with a JSON schema (greedy, ``--max-tokens``), per
+batch size in ``--batch-sizes``, in one run:
+
+(a) tpguide at tp_size 1, in process (``build_engine`` + ``Engine.generate``);
+(b) transformers ``generate`` with xgrammar's HF logits processor (the same
+    chat prompts, left padding, greedy, the same ``max_new_tokens`` and stop
+    tokens, the same compiled grammar: tpguide's tokenizer info);
+(c) tpguide on the same prompts without guidance (guidance overhead).
+
+Then (d) per rank at tp 1, 2, 4 (``run_on_ranks``, gloo): bytes of the
+loaded shard's parameters and buffers, and the peak RSS of the rank process.
+
+Throughput is generated tokens (stop token included) per second of wall time,
+after one warm-up run of each; both sides use ``--threads`` intra-op threads.
+Each measurement is repeated ``--repeats`` times, the three runs interleaved,
+and the fastest run counts (the machine may be shared).
+``--profile`` prints tpguide's cProfile (guided, first batch size).
+
+Usage::
+
+    python launch/bench_generate.py [--batch-sizes 8,32] [--max-tokens 32] [--threads 1] [--repeats 2]
+                                    [--tp-sizes 1,2,4] [--model DIR] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tpguide.dist import TPGroup  # noqa: E402
+from tpguide.dist.spawn import run_on_ranks  # noqa: E402
+from tpguide.engine.engine import EngineConfig  # noqa: E402
+from tpguide.engine.offline import build_engine  # noqa: E402
+from tpguide.engine.request_io import parse_request_lines  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
+CITIES = ("Paris", "Lima", "Osaka", "Accra", "Oslo", "Quito", "Perth", "Dakar")
+TOPICS = ("a baker", "a pilot", "a student", "a painter", "a nurse", "a farmer", "a chess player", "a poet")
+
+
+def chat_messages(i: int) -> list:
+    topic, city = TOPICS[i % len(TOPICS)], CITIES[(i // len(TOPICS)) % len(CITIES)]
+    return [{"role": "user", "content": f"Invent {topic} from {city} (person #{i}). "
+                                        f"Reply with JSON: name, age and city."}]
+
+
+def request_dicts(n: int, max_tokens: int, guided: bool) -> List[dict]:
+    out = []
+    for i in range(n):
+        r = {"id": f"r{i}", "messages": chat_messages(i), "max_tokens": max_tokens}
+        if guided:
+            r["structured_output"] = {"json": SCHEMA}
+        out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------- tpguide
+def run_tpguide(engine, dicts: List[dict]):
+    requests = parse_request_lines([json.dumps(r) for r in dicts], 32)
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    wall = time.perf_counter() - start
+    bad = [o.error for o in outputs if o.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"tpguide request failed: {bad[0]}")
+    return [o.token_ids for o in outputs], wall
+
+
+# ---------------------------------------------------------------- transformers
+class HFRunner:
+    """transformers ``generate`` with ``xgrammar.contrib.hf.LogitsProcessor``."""
+
+    def __init__(self, model_dir: str) -> None:
+        import xgrammar as xgr
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from tpguide.guided import collect_stop_token_ids
+        from tpguide.guided.xgrammar_backend import make_tokenizer_info
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.stop_ids = collect_stop_token_ids(self.tokenizer, model_dir)
+        info = make_tokenizer_info(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
+        self.compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=True)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+
+    def run(self, n: int, max_tokens: int):
+        import xgrammar as xgr
+
+        texts = [self.tokenizer.apply_chat_template(chat_messages(i), add_generation_prompt=True, tokenize=False)
+                 for i in range(n)]
+        batch = self.tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+        processor = xgr.contrib.hf.LogitsProcessor(self.compiled)  # one per generate() call
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(**batch, max_new_tokens=max_tokens, do_sample=False,
+                                      logits_processor=[processor], eos_token_id=self.stop_ids,
+                                      pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None)
+        wall = time.perf_counter() - start
+        tokens = []
+        for row in out[:, batch["input_ids"].shape[1]:].tolist():
+            ends = [j for j, t in enumerate(row) if t in self.stop_ids]
+            tokens.append(row[: ends[0] + 1] if ends else row)
+        return tokens, wall
+
+
+# ---------------------------------------------------------------- memory
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    """Peak RSS of this process: ``getrusage`` and, when there, ``VmHWM`` (the smaller).
+
+    ``ru_maxrss`` survives ``fork`` + ``exec``, so a spawned rank inherits its
+    parent's peak; ``VmHWM`` belongs to the address space and starts afresh.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    try:
+        with open("/proc/self/status") as f:
+            hwm = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")]
+        return min([peak] + hwm)
+    except OSError:
+        return peak
+
+
+def memory_on_rank(group, model_dir: str) -> dict:
+    """Load this rank's shard; report its tensor bytes and the process's peak RSS."""
+    from tpguide.model.loader import load_model
+
+    before = _rss_bytes()
+    model = load_model(model_dir, group, torch.float32)
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:  # tied embeddings count once
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return {"rank": group.tp_rank, "weights": total, "rss_before": before, "peak_rss": _peak_rss_bytes()}
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model directory; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--batch-sizes", default="8,32", help="comma-separated batch sizes (default 8,32)")
+    p.add_argument("--max-tokens", type=int, default=32, help="max new tokens per request (default 32)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved repeats, fastest counts (default 2)")
+    p.add_argument("--tp-sizes", default="1,2,4", help="tp sizes of the memory table; '' skips it")
+    p.add_argument("--profile", action="store_true", help="cProfile tpguide (guided, first batch size)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must list positive ints, got {args.batch_sizes!r}")
+    from tpguide.model.default_model import default_model_dir
+
+    model_dir = str(args.model or default_model_dir())
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",") if t]
+    if tp_sizes:
+        mib = 2**20
+        print(f"\n{'tp':>3} | {'rank':>4} | {'weights MiB':>11} | {'peak RSS MiB':>12} | {'RSS before load':>15}")
+        for tp in tp_sizes:
+            for r in run_on_ranks(memory_on_rank, tp, model_dir):
+                print(f"{tp:>3} | {r['rank']:>4} | {r['weights'] / mib:>11.1f} | {r['peak_rss'] / mib:>12.1f} | "
+                      f"{r['rss_before'] / mib:>15.1f}")
+        print("(weights = parameters + buffers of the loaded shard, tied embeddings once; RSS = the whole rank "
+              "process, torch included)")
+
+    config = EngineConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=4096, max_model_len=512)
+    engine = build_engine(TPGroup(), model_dir, config)
+    hf = HFRunner(model_dir)
+    run_tpguide(engine, request_dicts(2, 4, guided=True))  # warm-up (compiles the schema once)
+    run_tpguide(engine, request_dicts(2, 4, guided=False))
+    hf.run(2, 4)
+
+    print(f"\nmodel {model_dir}\nthreads {args.threads}, max_tokens {args.max_tokens}, greedy, JSON schema\n")
+    head = (f"{'batch':>5} | {'tpguide guided':>14} | {'HF+xgrammar':>11} | {'ratio tp/HF':>11} | "
+            f"{'same tokens':>11} | {'tpguide free':>12} | {'guide overhead':>14}")
+    print(head)
+    print("-" * len(head))
+    for n in batch_sizes:
+        g_wall = h_wall = f_wall = float("inf")
+        for _ in range(max(1, args.repeats)):
+            g_tokens, wall = run_tpguide(engine, request_dicts(n, args.max_tokens, guided=True))
+            g_wall = min(g_wall, wall)
+            h_tokens, wall = hf.run(n, args.max_tokens)
+            h_wall = min(h_wall, wall)
+            f_tokens, wall = run_tpguide(engine, request_dicts(n, args.max_tokens, guided=False))
+            f_wall = min(f_wall, wall)
+        g_rate = sum(map(len, g_tokens)) / g_wall
+        h_rate = sum(map(len, h_tokens)) / h_wall
+        f_rate = sum(map(len, f_tokens)) / f_wall
+        same = sum(a == b for a, b in zip(g_tokens, h_tokens))
+        print(f"{n:>5} | {g_rate:>10.1f} t/s | {h_rate:>7.1f} t/s | {g_rate / h_rate:>10.2f}x | "
+              f"{same:>5}/{n:<5} | {f_rate:>8.1f} t/s | {100 * (f_rate / g_rate - 1):>+13.1f}%")
+    print("\n(throughput = generated tokens incl. the stop token / wall s; ratio > 1: tpguide faster;\n"
+          " guide overhead = extra time per token of guided over unguided tpguide)")
+
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        run_tpguide(engine, request_dicts(batch_sizes[0], args.max_tokens, guided=True))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    engine.shutdown()
+
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

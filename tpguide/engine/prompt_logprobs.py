@@ -1,0 +1,208 @@
+"""Prompt logprobs over a vocabulary-sharded logits tensor (vLLM's ``prompt_logprobs``).
+
+Prompt row ``j`` (DESIGN.md §4, ``selected_prompt_indices``) holds the
+hidden state of prompt position ``p``; its log-softmax scores the prompt
+token at ``p + 1`` (the *target*).  Each rank holds logits
+``[rows, V_local]`` for global ids ``[vocab_start_index, vocab_end_index)``
+and never sees a full row:
+
+* every rank packs, per row, its max key, the key of the target token if the
+  target lies in its slice (``INT64_MIN`` otherwise: a masked gather), a
+  bad-row flag and its top ``n`` keys (:func:`local_prompt_candidates`);
+  one all-gather, then the max over ranks gives the global max logit and the
+  target's logit (exactly one rank holds it), and a top-``n`` merge gives
+  the global top-``n`` (keys: larger logit first, lower id on ties);
+* ``sum(exp(x - max))`` as a fixed-point int64, all-reduced
+  (:func:`~tpguide.engine.sampler.fixed_point_exp_sum`), so the normaliser
+  and therefore every logprob are bit-identical for every tp_size.
+
+Bytes per row and rank: ``8 * (3 + n) * tp`` received by the all-gather plus
+8 all-reduced, never ``O(vocab)``.  Logprobs are raw: no temperature, no
+grammar bitmask (the prompt is not guided).  A row holding a NaN or ``+inf``
+logit, or all ``-inf``, gives ``-inf`` logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpguide.dist.group import TPGroup
+from tpguide.engine.sampler import (_FIXED_ONE, GroupExchange, ShardsByHand, _key_ids, _key_values,
+                                    _order_keys, fixed_point_exp_sum)
+from tpguide.model.vocab_shard import VocabShard
+
+_HEAD = 3  # max key, target key, bad flag; then the top-n keys
+_NO_KEY = torch.iinfo(torch.int64).min
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt logprobs of some rows, identical on every rank.
+
+    Attributes
+    ----------
+    logprobs : Tensor, float32 [rows]
+        ``log_softmax(logits)[target]`` per row.
+    top_ids : Tensor, int64 [rows, n]
+        The ``n`` most likely global token ids, larger logit first, lower id on ties.
+    top_logprobs : Tensor, float32 [rows, n]
+    """
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_top: int) -> "PromptLogprobs":
+        return cls(torch.empty(0), torch.empty(0, num_top, dtype=torch.int64), torch.empty(0, num_top))
+
+    @classmethod
+    def cat(cls, parts: "list[PromptLogprobs]", num_top: int) -> "PromptLogprobs":
+        if not parts:
+            return cls.empty(num_top)
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logprobs", "top_ids", "top_logprobs")))
+
+
+def local_prompt_candidates(logits_shard: torch.Tensor, target_ids: torch.Tensor, shard: VocabShard,
+                            num_top: int) -> torch.Tensor:
+    """One rank's all-gather payload (pure).
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float [rows, V_local]
+        Not modified.
+    target_ids : Tensor, int64 [rows]
+        Global id of each row's target token.
+    shard : VocabShard
+    num_top : int
+        ``n``; the rank sends its top ``min(n, V_local)`` keys.
+
+    Returns
+    -------
+    Tensor, int64 [rows, 3 + min(n, V_local)]
+        Max key, target key (``INT64_MIN`` when the target is on another
+        rank), 1 if the row holds a NaN or ``+inf``, then the top keys.
+    """
+    x = logits_shard.to(torch.float32) + 0.0  # [rows, V_local]; -0.0 -> +0.0
+    rows, width = x.shape
+    start = shard.vocab_start_index
+    ids = torch.arange(start, start + width, device=x.device)
+    keys = _order_keys(x, ids)  # [rows, V_local]
+    target = target_ids.to(x.device, torch.int64)
+    local = (target >= start) & (target < start + width)
+    col = (target - start).clamp(0, width - 1)
+    target_key = torch.where(local, keys.gather(-1, col[:, None]).squeeze(-1), _NO_KEY)
+    bad = (torch.isnan(x) | (x == float("inf"))).any(dim=-1)
+    head = torch.stack([keys.max(dim=-1).values, target_key, bad.to(torch.int64)], dim=-1)
+    return torch.cat([head, keys.topk(min(num_top, width), dim=-1).values], dim=-1)
+
+
+def prompt_logprobs_with_exchange(exchange, target_ids: torch.Tensor, num_top: int,
+                                  org_vocab_size: int) -> PromptLogprobs:
+    """The protocol over ``exchange`` (:class:`GroupExchange` or :class:`ShardsByHand`).
+
+    One all-gather of :func:`local_prompt_candidates`, one all-reduce of the
+    fixed-point ``sum(exp(x - max))``; every rank makes the same calls.
+    """
+    n = min(num_top, org_vocab_size)
+    stacked = exchange.gather(lambda x, s: local_prompt_candidates(x, target_ids, s, n))  # [tp, rows, 3 + n_local]
+    tp, rows, _ = stacked.shape
+    max_key = stacked[:, :, 0].max(dim=0).values  # [rows]
+    target_key = stacked[:, :, 1].max(dim=0).values  # [rows]: the one rank holding the target
+    bad = stacked[:, :, 2].max(dim=0).values.bool()
+    cands = stacked[:, :, _HEAD:].permute(1, 0, 2).reshape(rows, -1)  # [rows, tp * n_local]
+    top = cands.topk(min(n, cands.shape[1]), dim=-1).values  # [rows, n]
+    gmax = _key_values(max_key)  # float64 [rows]
+    bad |= ~torch.isfinite(gmax) | (target_key == _NO_KEY)
+    gmax = torch.where(bad, 0.0, gmax)
+    sums = exchange.reduce_sum(lambda x, s: fixed_point_exp_sum(x.to(torch.float64) - gmax.to(x.device)[:, None]))
+    lse = gmax + torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows]
+    target_x = _key_values(torch.where(bad, 0, target_key))
+    return PromptLogprobs(
+        logprobs=torch.where(bad, float("-inf"), target_x - lse).to(torch.float32),
+        top_ids=_key_ids(top),
+        top_logprobs=torch.where(bad[:, None], float("-inf"), _key_values(top) - lse[:, None]).to(torch.float32),
+    )
+
+
+def compute_prompt_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor, num_top: int,
+                            shard: VocabShard, group: TPGroup) -> PromptLogprobs:
+    """Logprob of each row's target token and the top-``num_top`` logprobs; same on every rank.
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float32 [rows, V_local]
+        This rank's raw logits of the prompt rows (padded ids ``-inf``).  Not modified.
+    target_ids : Tensor, int64 [rows]
+        Global id of the prompt token each row scores; the same on every rank.
+    num_top : int
+        Top logprobs per row, ``>= 0``.
+    shard : VocabShard
+    group : TPGroup
+        Collectives: one all-gather, one all-reduce (nothing at tp_size 1).
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match, a negative ``num_top``, or a shard of another rank.
+    """
+    if (shard.tp_rank, shard.tp_size) != (group.tp_rank, group.tp_size):
+        raise ValueError(
+            f"shard is rank {shard.tp_rank} of {shard.tp_size} but group is rank {group.tp_rank} of {group.tp_size}"
+        )
+    _check(logits_shard, target_ids, num_top, shard)
+    return prompt_logprobs_with_exchange(GroupExchange(logits_shard, shard, group), target_ids, num_top,
+                                         shard.org_vocab_size)
+
+
+def prompt_logprobs_by_hand(logits_shards, target_ids: torch.Tensor, num_top: int, shards) -> PromptLogprobs:
+    """:func:`compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
+    for x, s in zip(logits_shards, shards, strict=True):
+        _check(x, target_ids, num_top, s)
+    return prompt_logprobs_with_exchange(ShardsByHand(logits_shards, shards), target_ids, num_top,
+                                         shards[0].org_vocab_size)
+
+
+def _check(logits_shard: torch.Tensor, target_ids: torch.Tensor, num_top: int, shard: VocabShard) -> None:
+    want = (target_ids.shape[0], shard.num_embeddings_per_partition)
+    if target_ids.dim() != 1 or tuple(logits_shard.shape) != want:
+        raise ValueError(f"logits_shard must have shape {want} [rows, V_local] for target_ids of shape "
+                         f"{tuple(target_ids.shape)}, got {tuple(logits_shard.shape)}")
+    if num_top < 0:
+        raise ValueError(f"num_top must be >= 0, got {num_top}")
+
+
+#: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
+PROMPT_ROW_BLOCK = 256
+
+
+def prompt_logprobs_for_plan(model, hidden: torch.Tensor, plan, group: TPGroup) -> PromptLogprobs:
+    """Prompt logprobs of one step's ``plan.selected_prompt_indices`` rows (every rank).
+
+    Parameters
+    ----------
+    model : LlamaForCausalLM
+        This rank's shard (its ``compute_logits`` and ``vocab_shard``).
+    hidden : Tensor [num_tokens, hidden_size]
+        The step's final hidden states (replicated).
+    plan : StepPlan
+        With ``selected_prompt_indices`` and ``prompt_target_ids`` set.
+    group : TPGroup
+
+    Returns
+    -------
+    PromptLogprobs
+        On the CPU, rows in plan order; the rows go through the LM head in
+        blocks of :data:`PROMPT_ROW_BLOCK` (the same blocks on every rank).
+    """
+    rows = plan.selected_prompt_indices.to(device=hidden.device, dtype=torch.int64)
+    targets = plan.prompt_target_ids.to(hidden.device)
+    parts = []
+    for start in range(0, rows.numel(), PROMPT_ROW_BLOCK):
+        block = slice(start, start + PROMPT_ROW_BLOCK)
+        logits = model.compute_logits(hidden[rows[block]])  # [B, V_pad / tp] fp32
+        out = compute_prompt_logprobs(logits, targets[block], plan.num_prompt_logprobs, model.vocab_shard, group)
+        parts.append(PromptLogprobs(out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()))
+    return PromptLogprobs.cat(parts, plan.num_prompt_logprobs)
