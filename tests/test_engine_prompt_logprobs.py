@@ -96,3 +96,16 @@ def test_prompt_logprobs_agree_with_transformers(unchunked, tiny_model_path):
     assert [[t[0] for t in row] for row in top] == want_top.indices.tolist()
     torch.testing.assert_close(torch.tensor([[t[1] for t in row] for row in top], dtype=torch.float64),
                                want_top.values, rtol=0, atol=1e-4)
+
+
+def test_prompt_logprobs_field_is_parsed_and_validated():
+    from tpguide.engine.request_io import parse_request_lines
+
+    ok, bad_value, bad_type = parse_request_lines(
+        ['{"prompt": "x", "prompt_logprobs": 2}', '{"prompt": "x", "prompt_logprobs": 21}',
+         '{"prompt": "x", "prompt_logprobs": true}'], 8)
+    assert ok.sampling_params.prompt_logprobs == 2 and not ok.is_finished
+    assert "prompt_logprobs must be null or an int in [0, 20], got 21" in bad_value.error
+    assert bad_type.finish_reason == "error" and "True" in bad_type.error
+    (off,) = parse_request_lines(['{"prompt": "x", "prompt_logprobs": null}'], 8)
+    assert off.sampling_params.prompt_logprobs is None and not off.is_finished

@@ -48,6 +48,11 @@ class AttentionMetadata:
         int64 ``[num_tokens]``: absolute position of each new token,
         ``context_lens[s] + token_query_index`` (the ``positions`` the model takes).
     max_query_len, max_seq_len : int
+    attn_mask : torch.Tensor
+        bool ``[num_seqs, 1, max_query_len, max_seq_len]``: query ``i`` of
+        sequence ``s`` sees key positions ``<= context_lens[s] + i`` (built once
+        per step, shared by every layer).  Padded query rows keep key 0
+        visible so no row is all-masked; they are dropped after attention.
     """
 
     seq_slots: torch.Tensor
@@ -60,6 +65,7 @@ class AttentionMetadata:
     token_positions: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    attn_mask: torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -97,6 +103,10 @@ class AttentionMetadata:
         seq_index = torch.repeat_interleave(torch.arange(n), q)  # [T]
         query_index = torch.arange(int(start[-1])) - start[seq_index]  # [T]
         to = dict(device=device)
+        max_q, max_s = int(q.max()), int((ctx + q).max())
+        key_pos = torch.arange(max_s)  # [K]
+        query_pos = ctx[:, None] + torch.arange(max_q)  # [S, Q]
+        attn_mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [S, 1, Q, K]
         return cls(
             seq_slots=torch.tensor(list(seq_slots), dtype=torch.int64, **to),
             query_start_loc=start.to(**to),
@@ -106,8 +116,9 @@ class AttentionMetadata:
             token_seq_index=seq_index.to(**to),
             token_query_index=query_index.to(**to),
             token_positions=(ctx[seq_index] + query_index).to(**to),
-            max_query_len=int(q.max()),
-            max_seq_len=int((ctx + q).max()),
+            max_query_len=max_q,
+            max_seq_len=max_s,
+            attn_mask=attn_mask.to(**to),
         )
 
 
@@ -159,20 +170,18 @@ class Attention(nn.Module):
         self.v_cache[slots, pos] = v
 
         num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-        q_pad = q.new_zeros(num_seqs, max_q, self.num_heads, self.head_dim)  # [S, Q, H, D]
-        q_pad[seq, qi] = q
-        keys = self.k_cache[:, :max_s][meta.seq_slots]  # [S, K, Hkv, D]
-        values = self.v_cache[:, :max_s][meta.seq_slots]  # [S, K, Hkv, D]
-        # Query i of sequence s sees key positions <= context_len + i.  Padded query rows
-        # (i >= query_len) keep key 0 visible, so no row is all-masked; they are dropped below.
-        key_pos = torch.arange(max_s, device=q.device)  # [K]
-        query_pos = meta.context_lens[:, None] + torch.arange(max_q, device=q.device)  # [S, Q]
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, K]
+        if max_q == 1:  # decode only: one token per sequence, already in sequence order
+            q_pad = q.unsqueeze(1)  # [S, 1, H, D]
+        else:
+            q_pad = q.new_zeros(num_seqs, max_q, self.num_heads, self.head_dim)  # [S, Q, H, D]
+            q_pad[seq, qi] = q
+        keys = self.k_cache[meta.seq_slots, :max_s]  # [S, K, Hkv, D]
+        values = self.v_cache[meta.seq_slots, :max_s]  # [S, K, Hkv, D]
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),  # [S, H, Q, D]
             keys.transpose(1, 2),  # [S, Hkv, K, D]
             values.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1),  # [S, 1, Q, K]
+            attn_mask=meta.attn_mask,  # [S, 1, Q, K]
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [S, H, Q, D]

@@ -51,6 +51,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.attention_scaling = config.rope_inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
+        self._cached_positions: Optional[torch.Tensor] = None  # the step's positions tensor
+        self._cached_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,11 +60,19 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
+
+        One instance is shared by every layer (see :class:`LlamaModel`), and
+        cos/sin are computed once per step: the layers of one forward pass the
+        same ``positions`` object.
+        """
+        if positions is not self._cached_positions or self._cached_cos_sin is None:
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+            self._cached_cos_sin = ((emb.cos() * self.attention_scaling)[:, None, :],  # [T, 1, D]
+                                    (emb.sin() * self.attention_scaling)[:, None, :])
+            self._cached_positions = positions
+        cos, sin = (t.to(q.dtype) for t in self._cached_cos_sin)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
@@ -125,6 +135,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.org_vocab_size, config.hidden_size, group, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, group, dtype) for _ in range(config.num_hidden_layers))
+        shared_rope = self.layers[0].self_attn.rotary_emb
+        for layer in self.layers:  # one RoPE table for all layers: cos/sin once per step
+            layer.self_attn.rotary_emb = shared_rope
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -40,23 +40,34 @@ static const uint32_t LANE_BIT_32[32] = {
     1u << 8,  1u << 9,  1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15,
     1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21, 1u << 22, 1u << 23,
     1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
-static const uint16_t LANE_BIT_16[16] = {
-    1u << 0, 1u << 1, 1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,
-    1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
 /* 32 lanes of 32-bit elements: lane i keeps its value when bit i of word is set. */
 static inline void mask_word_32(uint32_t *restrict x, uint32_t word, uint32_t ninf) {
     for (int i = 0; i < BITS_PER_WORD; ++i) x[i] = (word & LANE_BIT_32[i]) ? x[i] : ninf;
 }
 
-/* 16 lanes of 16-bit elements (half a word), so the vector lanes stay 16 bits wide. */
-static inline void mask_half_16(uint16_t *restrict x, uint16_t bits, uint16_t ninf) {
-    for (int i = 0; i < 16; ++i) x[i] = (bits & LANE_BIT_16[i]) ? x[i] : ninf;
-}
+/*
+ * KEEP_16[b][i] = 0xFFFF if bit i of byte b is set, else 0: 16-bit lanes get
+ * their masks by table lookup, one byte of the word per 8 lanes, and the select
+ * is plain and/or on arrays (compilers do not reliably vectorise the compare
+ * form above for 16-bit lanes).
+ */
+#define KEEP_LANE(b, i) ((uint16_t)((((b) >> (i)) & 1) ? 0xFFFFu : 0u))
+#define KEEP_BYTE(b)                                                                           \
+    {KEEP_LANE(b, 0), KEEP_LANE(b, 1), KEEP_LANE(b, 2), KEEP_LANE(b, 3),                       \
+     KEEP_LANE(b, 4), KEEP_LANE(b, 5), KEEP_LANE(b, 6), KEEP_LANE(b, 7)}
+#define KEEP_4(b) KEEP_BYTE(b), KEEP_BYTE((b) + 1), KEEP_BYTE((b) + 2), KEEP_BYTE((b) + 3)
+#define KEEP_16(b) KEEP_4(b), KEEP_4((b) + 4), KEEP_4((b) + 8), KEEP_4((b) + 12)
+#define KEEP_64(b) KEEP_16(b), KEEP_16((b) + 16), KEEP_16((b) + 32), KEEP_16((b) + 48)
+static const uint16_t KEEP_16[256][8] = {KEEP_64(0), KEEP_64(64), KEEP_64(128), KEEP_64(192)};
 
+/* 32 lanes of 16-bit elements, 8 lanes per byte of the word. */
 static inline void mask_word_16(uint16_t *restrict x, uint32_t word, uint16_t ninf) {
-    mask_half_16(x, (uint16_t)word, ninf);
-    mask_half_16(x + 16, (uint16_t)(word >> 16), ninf);
+    for (int byte = 0; byte < 4; ++byte) {
+        const uint16_t *keep = KEEP_16[(word >> (8 * byte)) & 0xFFu];
+        uint16_t *restrict y = x + 8 * byte;
+        for (int i = 0; i < 8; ++i) y[i] = (uint16_t)((y[i] & keep[i]) | (ninf & (uint16_t)~keep[i]));
+    }
 }
 
 /*
