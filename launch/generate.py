@@ -59,9 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
+    p.add_argument("--speculative-method", choices=["ngram"], default=None,
                    help="draft tokens verified by the model each decode step (ngram: prompt lookup); "
-                        "output tokens are the same as without it")
+                        "output tokens are the same as without it.  'draft-head' is not available yet")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most drafts per request per step (default 4 with --speculative-method)")
     p.add_argument("--resume", action="store_true",

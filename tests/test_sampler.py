@@ -7,6 +7,7 @@ import torch
 
 from tpguide.dist.group import TPGroup
 from tpguide.engine import sampler as S
+from tpguide.engine import sampler_candidates
 from tpguide.engine.random_stream import gumbel_noise
 from tpguide.engine.sampler import SamplingMetadata, local_candidates, merge_candidates, sample, sample_by_hand
 from tpguide.model.vocab_shard import VocabShard
@@ -181,7 +182,7 @@ def test_padded_id_winning_is_flagged():
 
 def test_top_p_fallback_grows_candidates(monkeypatch):
     """A flat distribution whose nucleus exceeds the first round stays exact."""
-    monkeypatch.setattr(S, "TOP_P_CANDIDATES", 4)
+    monkeypatch.setattr(sampler_candidates, "TOP_P_CANDIDATES", 4)
     monkeypatch.setattr(S, "TOP_P_GROWTH", 2)
     full = random_logits(5, 257, seed=4, masked=0.1) * 0.05  # nearly uniform
     meta = make_meta(5, temperature=1.0, top_p=[0.3, 0.9, 0.99, 0.05, 0.6])

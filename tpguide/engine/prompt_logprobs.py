@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from tpguide.dist.group import TPGroup
-from tpguide.engine.sampler import (_FIXED_ONE, GroupExchange, ShardsByHand, _key_ids, _key_values,
-                                    _order_keys, fixed_point_exp_sum)
+from tpguide.engine.sampler import GroupExchange, ShardsByHand
+from tpguide.engine.sampler_candidates import _key_ids, _key_values, _order_keys, fixed_point_exp_sum
+from tpguide.engine.sampling_metadata import _FIXED_ONE
 from tpguide.model.vocab_shard import VocabShard
 
 _HEAD = 3  # max key, target key, bad flag; then the top-n keys

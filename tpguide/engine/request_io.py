@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List
 
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from tpguide.engine.sampler import SamplingMetadata
+from tpguide.engine.sampling_metadata import SamplingMetadata
 from tpguide.engine.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
 from tpguide.engine.scheduler import ScheduledRequest
 

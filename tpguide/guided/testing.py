@@ -23,9 +23,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def tokenizer_cache_dir() -> str:
-    """Where the converted tokenizer is kept (``$TPGUIDE_CACHE_DIR`` or ``~/.cache/tpguide``)."""
-    root = os.environ.get("TPGUIDE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tpguide")
-    return os.path.join(root, "tokenizers", "SmolLM2-135M-Instruct")
+    """Where the converted tokenizer is kept (``$TPGUIDE_CACHE`` or ``~/.cache/tpguide``)."""
+    from tpguide.cache import cache_root
+
+    return str(cache_root() / "tokenizers" / "SmolLM2-135M-Instruct")
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,8 +56,9 @@ NUM_PARAMS = 14
 
 def cache_dir() -> Path:
     """``$TPGUIDE_CACHE/kernels`` if the variable is set, else ``~/.cache/tpguide/kernels``."""
-    root = os.environ.get("TPGUIDE_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "tpguide") / "kernels"
+    from tpguide.cache import cache_root
+
+    return cache_root() / "kernels"
 
 
 def compiler() -> list[str]:

