@@ -28,7 +28,7 @@ DEMO_REQUESTS = [
         "Invent a fictional person. Reply with JSON with the keys name, age and city."),
      "structured_output": {"json": PERSON_SCHEMA}},
     {"id": "json-object", "messages": _chat(
-        "Give the capital of France and of Italy as a JSON object."),
+        "Reply with a JSON object with two keys, France and Italy, mapping each to its capital."),
      "structured_output": {"json_object": True}},
     {"id": "regex-date", "messages": _chat(
         "On which date did the first human land on the Moon? Answer as YYYY-MM-DD."),

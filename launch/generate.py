@@ -87,9 +87,8 @@ def load_requests(args):
 def report(outputs, requests, tp_size: int, wall_s: float) -> None:
     for out, req in zip(outputs, requests):
         guide = req.structured_output.guide_type if req.structured_output is not None else "none"
-        rate = len(out.token_ids) / out.elapsed_s if out.elapsed_s > 0 else 0.0
         print(f"\n=== {out.id}  [guide: {guide}]  finish: {out.finish_reason}  "
-              f"{len(out.token_ids)} tokens, {rate:.1f} tok/s")
+              f"{len(out.token_ids)} tokens, done {out.elapsed_s:.1f} s after the start (batched)")
         if req.messages:
             print(f"  user   : {req.messages[-1]['content']}")
         elif req.prompt is not None:

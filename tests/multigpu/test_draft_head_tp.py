@@ -18,7 +18,8 @@ from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.engine.draft_head import (
     DraftHead, DraftLMHead, apply_draft_bitmask_inplace, build_d2t, draft_greedy, select_draft_vocab)
-from tpguide.guided import GuidedDecoder, StructuredOutputsParams, make_backend, unpack_bitmask
+from tpguide.guided import unpack_bitmask
+from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
 
@@ -29,16 +30,7 @@ TARGET_IDS = sorted(set(range(300)) | set(random.Random(0).sample(range(300, 491
 
 
 def _bitmask(tok, padded_vocab_size):
-    backend = make_backend("xgrammar", tok, padded_vocab_size, [2])
-    decoder = GuidedDecoder(backend, padded_vocab_size, len(PREFIXES))
-    params = StructuredOutputsParams.from_request({"json": SCHEMA})
-    for slot, prefix in enumerate(PREFIXES):
-        decoder.add_request(slot, params)
-        for t in tok(prefix, add_special_tokens=False)["input_ids"]:
-            assert decoder.accept_token(slot, t)
-    bitmask, token_mask, dead = decoder.fill_bitmask(list(range(len(PREFIXES))))
-    assert not dead
-    return bitmask.clone()
+    return json_prefix_bitmask(tok, padded_vocab_size, SCHEMA, PREFIXES)
 
 
 def masked_draft_step(group: TPGroup, model_dir: str):

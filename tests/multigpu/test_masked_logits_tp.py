@@ -13,7 +13,8 @@ from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.engine.sampler import SamplingMetadata, sample
-from tpguide.guided import GuidedDecoder, StructuredOutputsParams, make_backend, split_bitmask
+from tpguide.guided import split_bitmask
+from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
@@ -37,15 +38,7 @@ def _masked_step(group: TPGroup, model_dir: str):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-        backend = make_backend("xgrammar", tok, shard.padded_vocab_size, [2])
-        decoder = GuidedDecoder(backend, shard.padded_vocab_size, len(PREFIXES))
-        params = StructuredOutputsParams.from_request({"json": SCHEMA})
-        for slot, prefix in enumerate(PREFIXES):
-            decoder.add_request(slot, params)
-            for t in tok(prefix, add_special_tokens=False)["input_ids"]:
-                assert decoder.accept_token(slot, t)
-        bitmask, token_mask, dead = decoder.fill_bitmask(list(range(len(PREFIXES))))
-        assert not dead and token_mask.tolist() == [1] * len(PREFIXES)
+        bitmask = json_prefix_bitmask(tok, shard.padded_vocab_size, SCHEMA, PREFIXES)
         chunks = split_bitmask(bitmask, group.tp_size)
     local = torch.empty((len(PREFIXES), shard.bitmask_size // group.tp_size), dtype=torch.int32)
     C.scatter_tensor(local, chunks, group)

@@ -111,6 +111,9 @@ def write_outputs(path: str, outputs: Iterable[RequestOutput]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tpguide-", suffix=".jsonl.tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for out in outputs:

@@ -167,6 +167,22 @@ class GuidedDecoder:
         matcher = self._matchers.get(slot)
         return matcher is not None and matcher.is_terminated()
 
+    def _reset_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``num_rows`` rows of the reused buffers, all allowed and unguided.
+
+        Raises
+        ------
+        ValueError
+            More than ``max_num_rows`` rows.
+        """
+        if num_rows > self.max_num_rows:
+            raise ValueError(f"{num_rows} rows requested, max_num_rows={self.max_num_rows}")
+        token_bitmask = self._token_bitmask[:num_rows]
+        token_mask = self._token_mask[:num_rows]
+        token_bitmask.fill_(-1)
+        token_mask.zero_()
+        return token_bitmask, token_mask
+
     def fill_bitmask(self, slots: Sequence[Optional[int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Fill one bitmask row per entry of ``slots``.
 
@@ -198,13 +214,7 @@ class GuidedDecoder:
         ValueError
             More than ``max_num_rows`` rows.
         """
-        num_rows = len(slots)
-        if num_rows > self.max_num_rows:
-            raise ValueError(f"{num_rows} rows requested, max_num_rows={self.max_num_rows}")
-        token_bitmask = self._token_bitmask[:num_rows]
-        token_mask = self._token_mask[:num_rows]
-        token_bitmask.fill_(-1)
-        token_mask.zero_()
+        token_bitmask, token_mask = self._reset_rows(len(slots))
         jobs = [
             (row, slot, self._matchers[slot])
             for row, slot in enumerate(slots)

@@ -112,13 +112,7 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
         ValueError
             More than ``max_num_rows`` rows.
         """
-        num_rows = sum(1 + len(d) for _, d in entries)
-        if num_rows > self.max_num_rows:
-            raise ValueError(f"{num_rows} rows requested, max_num_rows={self.max_num_rows}")
-        token_bitmask = self._token_bitmask[:num_rows]
-        token_mask = self._token_mask[:num_rows]
-        token_bitmask.fill_(-1)
-        token_mask.zero_()
+        token_bitmask, token_mask = self._reset_rows(sum(1 + len(d) for _, d in entries))
         dead_rows: List[int] = []
         row = 0
         for slot, drafts in entries:

@@ -157,3 +157,25 @@ def _drive(matcher, vocab_size, seed, max_tokens, biases, warmup_steps, stop_tok
                 assert token_id in stop_token_ids, f"terminated on non-stop token {token_id}"
             return tokens
     raise AssertionError(f"no termination within {max_tokens} tokens: {tokens}")
+
+
+def json_prefix_bitmask(tokenizer: Any, padded_vocab_size: int, schema: dict, prefixes: list) -> torch.Tensor:
+    """A real xgrammar bitmask: row ``i`` is the JSON-schema matcher's state after ``prefixes[i]``.
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[len(prefixes), ceil(padded_vocab_size / 32)]`` (a copy), CPU.
+    """
+    from tpguide.guided import GuidedDecoder, StructuredOutputsParams, make_backend
+
+    backend = make_backend("xgrammar", tokenizer, padded_vocab_size, [2])
+    decoder = GuidedDecoder(backend, padded_vocab_size, len(prefixes))
+    params = StructuredOutputsParams.from_request({"json": schema})
+    for slot, prefix in enumerate(prefixes):
+        decoder.add_request(slot, params)
+        for t in tokenizer(prefix, add_special_tokens=False)["input_ids"]:
+            assert decoder.accept_token(slot, t), (prefix, t)
+    bitmask, token_mask, dead = decoder.fill_bitmask(list(range(len(prefixes))))
+    assert not dead and token_mask.tolist() == [1] * len(prefixes)
+    return bitmask.clone()
