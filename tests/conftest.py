@@ -20,3 +20,21 @@ def tiny_model_path(tmp_path_factory, default_model_path):
 
     out = tmp_path_factory.mktemp("tiny-llama")
     return str(write_random_checkpoint(out, tokenizer_dir=default_model_path, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's tokenizer (cached on disk after the first GGUF read); skips if the model package is absent."""
+    from tpguide.guided.testing import load_test_tokenizer
+
+    try:
+        return load_test_tokenizer()
+    except ModuleNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def stop_ids(tokenizer):
+    from tpguide.guided import collect_stop_token_ids
+
+    return collect_stop_token_ids(tokenizer)

@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 import torch
 
-from tpguide.guided import StructuredOutputsParams, collect_stop_token_ids, unpack_bitmask
+from tpguide.guided import StructuredOutputsParams, unpack_bitmask
 from tpguide.guided.bitmask import allocate_token_bitmask
-from tpguide.guided.testing import drive_matcher, load_test_backend, load_test_tokenizer, steering_biases
+from tpguide.guided.testing import drive_matcher, load_test_backend, steering_biases
 
 #: SmolLM2's 49152 ids padded to 49280 (as for org_vocab_size 49157 at tp 2):
 #: the bitmask is that wide, and ids >= 49152 must never be allowed.
@@ -54,19 +54,6 @@ CHOICES = ["yes", "no", 'say "hi"\\n', "tab\there"]
 EBNF = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'
 LARK = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: /[0-9]+/ | "(" expr ")"\n'
 GRAMMAR_OF = {"xgrammar": EBNF, "llguidance": LARK}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    try:
-        return load_test_tokenizer()
-    except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def stop_ids(tokenizer):
-    return collect_stop_token_ids(tokenizer)
 
 
 @pytest.fixture(scope="module")

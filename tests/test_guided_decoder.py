@@ -3,28 +3,15 @@
 import pytest
 import torch
 
-from tpguide.guided import GuidedDecoder, StructuredOutputsParams, collect_stop_token_ids
+from tpguide.guided import GuidedDecoder, StructuredOutputsParams
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.testing import load_test_backend, load_test_tokenizer
+from tpguide.guided.testing import load_test_backend
 
 PADDED_VOCAB_SIZE = 49280
 WORDS = PADDED_VOCAB_SIZE // 32
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 JSON = StructuredOutputsParams(json=SCHEMA)
 CHOICE = StructuredOutputsParams(choice=["red", "green"])
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    try:
-        return load_test_tokenizer()
-    except ModuleNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def stop_ids(tokenizer):
-    return collect_stop_token_ids(tokenizer)
 
 
 @pytest.fixture(scope="module", params=["xgrammar", "llguidance"])

@@ -6,17 +6,10 @@ import torch
 from tpguide.dist.group import TPGroup
 from tpguide.engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_by_hand
 from tpguide.engine.sampler import SamplingMetadata, sample_by_hand
+from tpguide.engine.testing import shard_logits
 from tpguide.model.vocab_shard import VocabShard
 
 NEG_INF = float("-inf")
-
-
-def shard_logits(full, tp):
-    org = full.shape[1]
-    shards = [VocabShard.create(org, r, tp) for r in range(tp)]
-    padded = torch.full((full.shape[0], shards[0].padded_vocab_size), NEG_INF)
-    padded[:, :org] = full
-    return [padded[:, s.vocab_start_index:s.vocab_end_index] for s in shards], shards
 
 
 def random_case(rows=7, vocab=1001, seed=0):

@@ -10,6 +10,7 @@ from tpguide.engine import sampler as S
 from tpguide.engine import sampler_candidates
 from tpguide.engine.random_stream import gumbel_noise
 from tpguide.engine.sampler import SamplingMetadata, local_candidates, merge_candidates, sample, sample_by_hand
+from tpguide.engine.testing import shard_logits
 from tpguide.model.vocab_shard import VocabShard
 
 NEG_INF = float("-inf")
@@ -27,15 +28,6 @@ def make_meta(rows, temperature=1.0, top_k=0, top_p=1.0, seed0=0, position=7, nu
         sample_positions=torch.full((rows,), position, dtype=torch.int64) + torch.arange(rows) % 3,
         num_logprobs=num_logprobs,
     )
-
-
-def shard_logits(full, tp):
-    """Rank shards of ``full`` [rows, org_vocab_size], padded ids -inf."""
-    org = full.shape[1]
-    shards = [VocabShard.create(org, r, tp) for r in range(tp)]
-    padded = torch.full((full.shape[0], shards[0].padded_vocab_size), NEG_INF)
-    padded[:, :org] = full
-    return [padded[:, s.vocab_start_index:s.vocab_end_index] for s in shards], shards
 
 
 def run(full, meta, tp):
