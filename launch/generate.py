@@ -59,11 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--speculative-method", choices=["ngram"], default=None,
-                   help="draft tokens verified by the model each decode step (ngram: prompt lookup); "
-                        "output tokens are the same as without it.  'draft-head' is not available yet")
+    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
+                   help="draft tokens verified by the model each decode step (ngram: prompt lookup; "
+                        "draft-head: the model's first layers + a pruned vocab-parallel LM head); "
+                        "output tokens are the same as without it")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most drafts per request per step (default 4 with --speculative-method)")
+    p.add_argument("--draft-num-layers", type=int, default=None,
+                   help="draft-head: target layers the drafter runs (default: a third, rounded up)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft-head: token ids the draft LM head predicts (the first ids + stop tokens)")
     p.add_argument("--resume", action="store_true",
                    help="keep requests already in --output or --output.partial (errors included) "
                         "and run only the others")
@@ -111,7 +116,8 @@ def main(argv=None) -> int:
                           max_model_len=args.max_model_len, guided_backend=args.guided_backend,
                           seed=args.seed, dtype=DTYPES[args.dtype],
                           speculative_method=args.speculative_method,
-                          num_speculative_tokens=_num_speculative_tokens(args))
+                          num_speculative_tokens=_num_speculative_tokens(args),
+                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size)
     engine = build_engine(group, args.model, config)
     if not group.is_driver:
         engine.run_worker()

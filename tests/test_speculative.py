@@ -78,16 +78,29 @@ def test_ngram_copies_a_short_period_through_its_own_drafts():
     (dict(speculative_method="beam"), "speculative_method"),
     (dict(num_speculative_tokens=2), "needs a speculative_method"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
-    (dict(speculative_method="draft-head", num_speculative_tokens=2), "not wired"),
+    (dict(speculative_method="draft-head", num_speculative_tokens=2, draft_num_layers=0), "draft_num_layers"),
+    (dict(speculative_method="draft-head", num_speculative_tokens=2, draft_vocab_size=0), "draft_vocab_size"),
 ])
 def test_engine_config_validates_speculative_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
 
 
-def test_engine_config_accepts_ngram():
-    cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=4)
+@pytest.mark.parametrize("method", ["ngram", "draft-head"])
+def test_engine_config_accepts_both_methods(method):
+    cfg = EngineConfig(speculative_method=method, num_speculative_tokens=4)
     assert cfg.num_speculative_tokens == 4
+
+
+def test_draft_head_speculator_reserves_placeholders():
+    from tpguide.engine.request import Request
+    from tpguide.engine.sampling_params import SamplingParams
+    from tpguide.engine.speculative import DRAFT_PENDING, Speculator
+
+    spec = Speculator("draft-head", 3, max_model_len=64)
+    req = Request("r", 0, SamplingParams(max_tokens=10), prompt_token_ids=[1, 2], output_token_ids=[5])
+    assert spec.propose(req, budget=8) == [DRAFT_PENDING] * 3
+    assert spec.propose(req, budget=3) == [DRAFT_PENDING] * 2  # the golden token takes one
 
 
 @pytest.fixture(scope="module")

@@ -227,3 +227,44 @@ class DraftHead(nn.Module):
         for layer in m.layers[: self.num_layers]:
             x = layer(positions, x, meta)
         return m.norm(x)
+
+
+def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: int,
+                     always_token_ids: Iterable[int] = ()) -> DraftHead:
+    """This rank's draft head over ``target`` (its shard), LM-head rows read from ``model_dir``.
+
+    Parameters
+    ----------
+    target : LlamaForCausalLM
+        This rank's target shard (``target.group``, ``target.config``).
+    model_dir : str
+        The checkpoint the target was loaded from (``*.safetensors``): the
+        draft rows come from ``lm_head.weight``, or ``model.embed_tokens.weight``
+        when the embeddings are tied.
+    num_layers : int
+        Target layers the drafter runs (``1 .. num_hidden_layers``).
+    draft_vocab_size : int
+        Target ids the draft head predicts (:func:`select_draft_vocab`).
+    always_token_ids : iterable of int
+        Ids always in the draft vocabulary (the stop tokens); the same on every rank.
+
+    Raises
+    ------
+    ValueError
+        Bad ``num_layers`` or ``draft_vocab_size``; the checkpoint lacks the LM-head tensor.
+    """
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    cfg = target.config
+    ids = select_draft_vocab(cfg.org_vocab_size, draft_vocab_size, always_token_ids)
+    head = DraftLMHead(ids, cfg.hidden_size, cfg.org_vocab_size, target.group,
+                       dtype=target.model.embed_tokens.weight.dtype)
+    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                head.load_target_lm_head(f.get_slice(name))
+                return DraftHead(target, num_layers, head)
+    raise ValueError(f"no tensor {name!r} in {model_dir!r}: cannot build the draft LM head")

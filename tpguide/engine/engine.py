@@ -2,7 +2,8 @@
 
 Per step (DESIGN.md §1)::
 
-    driver: schedule -> StepPlan --broadcast--> every rank
+    driver: schedule [-> draft-head drafting loop, engine/draft_loop.py]
+            -> StepPlan --broadcast--> every rank
     driver thread: fill the guided bitmask rows (overlaps the forward)
     every rank: forward on its shard -> hidden [T, H] (replicated)
                 -> rows selected_token_indices -> LM-head shard [R, V_pad/T]
@@ -27,6 +28,7 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.fault_inject import step_fault_hook
+from tpguide.engine.draft_loop import DraftPlan, draft_with_head, run_draft_iteration
 from tpguide.engine.driver import Driver
 from tpguide.engine.faults import abort_plan_for, describe_bad_rows, nonfinite_ranks, raise_if_abort
 from tpguide.engine.prompt_logprobs import prompt_logprobs_for_plan
@@ -56,10 +58,16 @@ class EngineConfig:
         Weights and activations (logits are fp32).
     speculative_method : {None, "ngram", "draft-head"}
         Draft tokens verified by the target model each decode step
-        (:mod:`tpguide.engine.speculative`); None = off.  ``"draft-head"`` is
-        validated but not wired into the step loop yet (raises).
+        (:mod:`tpguide.engine.speculative`); None = off.  ``"draft-head"``
+        needs the engine built with a draft head (:func:`tpguide.engine.offline.build_engine`).
     num_speculative_tokens : int
         ``K``, the most drafts per request per step (``>= 1`` with a method, 0 without).
+    draft_num_layers : int or None
+        ``draft-head``: target layers the drafter runs; None = a third of the
+        layers (rounded up).
+    draft_vocab_size : int
+        ``draft-head``: target ids the draft LM head predicts (the first ids
+        of the vocabulary plus the stop tokens; :func:`~tpguide.engine.draft_head.select_draft_vocab`).
     """
 
     max_num_seqs: int = 16
@@ -70,9 +78,15 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     speculative_method: Optional[str] = None
     num_speculative_tokens: int = 0
+    draft_num_layers: Optional[int] = None
+    draft_vocab_size: int = 8192
 
     def __post_init__(self) -> None:
         _check_speculative(self.speculative_method, self.num_speculative_tokens)
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,9 +105,6 @@ def _check_speculative(method: Optional[str], k: int) -> None:
         raise ValueError(f"num_speculative_tokens={k} needs a speculative_method")
     if method is not None and not 1 <= k <= 16:
         raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative_method={method!r}, got {k}")
-    if method == "draft-head":
-        raise ValueError("speculative_method='draft-head' is not wired into the engine yet "
-                         "(the sharded draft head is tpguide.engine.draft_head); use 'ngram'")
 
 
 class Engine:
@@ -109,11 +120,22 @@ class Engine:
         Needed on the driver only.
     stop_token_ids : sequence of int, optional
         Every end token of the model and its chat template (driver only).
+    draft_head : DraftHead, optional
+        This rank's drafter; required with ``speculative_method="draft-head"``.
+
+    Raises
+    ------
+    ValueError
+        ``draft-head`` speculation without a draft head; no tokenizer on the driver.
     """
 
     def __init__(self, model, group: TPGroup, config: EngineConfig, tokenizer=None,
-                 stop_token_ids: Optional[Sequence[int]] = None) -> None:
+                 stop_token_ids: Optional[Sequence[int]] = None, draft_head=None) -> None:
+        if (config.speculative_method == "draft-head") != (draft_head is not None):
+            raise ValueError(f"a draft head is needed exactly with speculative_method='draft-head', got "
+                             f"speculative_method={config.speculative_method!r} and draft_head={draft_head!r}")
         self.model, self.group, self.config = model, group, config
+        self.draft_head = draft_head
         self.shard = model.vocab_shard
         model.allocate_kv_cache(config.max_num_seqs, config.max_model_len)
         self.driver: Optional[Driver] = None
@@ -149,9 +171,11 @@ class Engine:
                 scheduled = drv.schedule()
                 if not scheduled:
                     break
+                in_step = True
+                if self.draft_head is not None:
+                    draft_with_head(drv, self.draft_head, self.group, scheduled)
                 plan, guided_rows = drv.build_plan(scheduled)
                 future = self._pool.submit(drv.fill_bitmask, guided_rows) if plan.guided else None
-                in_step = True
                 C.broadcast_object(plan, self.group)
                 out = self._execute(plan, future)
                 in_step = False
@@ -183,7 +207,10 @@ class Engine:
         """Follow the driver's plans until it sends the stop plan (non-driver ranks)."""
         assert not self.group.is_driver
         while True:
-            plan: StepPlan = C.broadcast_object(None, self.group)
+            plan = C.broadcast_object(None, self.group)
+            if isinstance(plan, DraftPlan):
+                run_draft_iteration(self.draft_head, plan, self.group)
+                continue
             if plan.stop:
                 raise_if_abort(plan, self.group)
                 break

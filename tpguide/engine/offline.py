@@ -49,12 +49,18 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
             stop_ids = collect_stop_token_ids(tokenizer, model_dir)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
             error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
-    tokenizer_vocab_size, error = C.broadcast_object(
-        (len(tokenizer) if tokenizer is not None else None, error), group)
+    tokenizer_vocab_size, all_stop_ids, error = C.broadcast_object(
+        (len(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
     if error is not None:
         raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
     model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size)
-    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids)
+    draft_head = None
+    if config.speculative_method == "draft-head":
+        from tpguide.engine.draft_head import build_draft_head
+
+        num_layers = config.draft_num_layers or -(-model.config.num_hidden_layers // 3)
+        draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids)
+    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head)
 
 
 def generate_on_group(group: TPGroup, model_dir: Optional[str], request_dicts: Sequence[Dict[str, Any]],

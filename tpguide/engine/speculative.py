@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 #: Values of ``EngineConfig.speculative_method`` (None = off).
 SPECULATIVE_METHODS = ("ngram", "draft-head")
 
+#: A reserved draft position until the ``draft-head`` drafting loop fills it.
+DRAFT_PENDING = -1
+
 
 @dataclass
 class SpecStats:
@@ -76,9 +79,11 @@ class Speculator:
 
     Parameters
     ----------
-    method : {"ngram"}
-        ``"draft-head"`` drafting is a tested component
-        (:mod:`tpguide.engine.draft_head`), not yet wired into the step loop.
+    method : {"ngram", "draft-head"}
+        ``ngram`` drafts on the driver while scheduling; ``draft-head``
+        reserves :data:`DRAFT_PENDING` positions
+        that the engine's drafting loop fills on every rank
+        (:mod:`tpguide.engine.draft_loop`).
     num_speculative_tokens : int
         ``K``, the most drafts per request per step (``>= 1``).
     max_model_len : int
@@ -86,18 +91,18 @@ class Speculator:
     Raises
     ------
     ValueError
-        Unknown or unwired method, ``K < 1``.
+        Unknown method, ``K < 1``.
     """
 
     def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int) -> None:
-        if method != "ngram":
-            raise ValueError(f"speculative method {method!r} is not wired into the engine; use 'ngram'")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer()
+        self.proposer = NgramProposer() if method == "ngram" else None
         self.stats = SpecStats()
 
     def max_num_drafts(self, req: Request, budget: int) -> int:
@@ -107,9 +112,13 @@ class Speculator:
                           self.max_model_len - req.num_tokens))
 
     def propose(self, req: Request, budget: int) -> List[int]:
-        """Drafts for ``req``'s next decode step (the scheduler's hook)."""
+        """Drafts for ``req``'s next decode step (the scheduler's hook); placeholders for ``draft-head``."""
         k = self.max_num_drafts(req, budget)
-        return self.proposer.propose(req.all_token_ids, k)[:k] if k else []
+        if not k:
+            return []
+        if self.proposer is None:
+            return [DRAFT_PENDING] * k
+        return self.proposer.propose(req.all_token_ids, k)[:k]
 
     def verify(self, driver, req: Request, drafts: List[int], token_ids: List[int], bad: List[bool],
                first_row: int, out) -> None:

@@ -6,6 +6,13 @@ consecutive rows by advancing the matcher through the drafts (see
 :mod:`tpguide.guided.spec_counters` for the row layout and the rollback
 formula).  Rows are filled on one thread, request by request: row ``j`` of a
 request needs the matcher state after ``d_1 .. d_j``.
+
+A model drafter (``draft-head``) drafts under the grammar too: before each
+drafting iteration :meth:`fill_draft_bitmask` fills one full row per drafting
+request from the matcher state after ``golden d_1 .. d_j``,
+:meth:`advance_draft` moves the matcher by the new draft, and at the end of
+the drafting loop :meth:`rollback_drafts` undoes them all (draft-side
+rollback), so verification starts from the state after ``golden`` again.
 """
 
 from __future__ import annotations
@@ -168,3 +175,67 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
                 return None
             c.num_guided_tokens += 1
         return None
+
+    # ---- drafting under the grammar (draft-head) ---------------------------------
+
+    def fill_draft_bitmask(self, slots: Sequence[Optional[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One full row per drafting request from its matcher's current state.
+
+        Parameters
+        ----------
+        slots : sequence of int or None
+            Row ``i`` belongs to ``slots[i]``; None or unguided: all ones,
+            ``token_mask`` 0.
+
+        Returns
+        -------
+        token_bitmask : torch.Tensor
+            int32 ``[len(slots), bitmask_size]``, CPU (a view of the reused
+            buffer: broadcast it before the next fill).  A row whose matcher
+            is terminated, dead or raised allows **nothing** (``token_mask`` 1),
+            so the drafter proposes no token there and the request stops
+            drafting; nothing is recorded as a failure (verification decides).
+        token_mask : torch.Tensor
+            int32 ``[len(slots)]``.
+        """
+        token_bitmask, token_mask = self._reset_rows(len(slots))
+        for row, slot in enumerate(slots):
+            if slot is None or not self.is_guided(slot):
+                continue
+            token_mask[row] = 1
+            matcher = self._matchers[slot]
+            try:
+                if matcher.is_terminated():
+                    raise RuntimeError("terminated")
+                matcher.fill_next_token_bitmask(token_bitmask, row)
+            except Exception:  # noqa: BLE001 - no draft for this row; verification reports errors
+                token_bitmask[row] = 0
+        return token_bitmask, token_mask
+
+    def advance_draft(self, slot: int, token_id: int) -> bool:
+        """Advance ``slot``'s matcher by a drafted token (not counted as verified).
+
+        Returns
+        -------
+        bool
+            False if the matcher rejected or raised (the token was not taken:
+            drafting of that request must stop); True for an unguided slot.
+        """
+        matcher = self._matchers.get(slot)
+        if matcher is None:
+            return True
+        try:
+            return bool(matcher.accept_token(token_id))
+        except Exception:  # noqa: BLE001 - a draft never fails a request
+            return False
+
+    def rollback_drafts(self, slot: int, num_tokens: int) -> None:
+        """Undo ``num_tokens`` drafts taken by :meth:`advance_draft` (end of the drafting loop).
+
+        Raises
+        ------
+        ValueError
+            The matcher cannot roll back that far, or raised.
+        """
+        if num_tokens:
+            self.rollback(slot, num_tokens)
