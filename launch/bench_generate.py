@@ -8,7 +8,10 @@ batch size in ``--batch-sizes``, in one run:
 (b) transformers ``generate`` with xgrammar's HF logits processor (the same
     chat prompts, left padding, greedy, the same ``max_new_tokens`` and stop
     tokens, the same compiled grammar: tpguide's tokenizer info);
-(c) tpguide on the same prompts without guidance (guidance overhead).
+(c) tpguide on the same prompts without guidance, each request forced to
+    the length of its guided output (``ignore_eos`` + ``max_tokens``), so both
+    runs have the same batch in every step and the wall-time difference is
+    the cost of guidance alone (grammar matchers, bitmask fill, masking).
 
 Then (d) per rank at tp 1, 2, 4 (``run_on_ranks``, gloo): bytes of the
 loaded shard's parameters and buffers, and the peak RSS of the rank process.
@@ -36,7 +39,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -62,19 +65,23 @@ def chat_messages(i: int) -> list:
                                         f"Reply with JSON: name, age and city."}]
 
 
-def request_dicts(n: int, max_tokens: int, guided: bool) -> List[dict]:
+def request_dicts(n: int, max_tokens: int, guided: bool, lengths: Optional[List[int]] = None) -> List[dict]:
+    """Chat requests; ``lengths``: unguided, request ``i`` generates exactly ``lengths[i]`` tokens."""
     out = []
     for i in range(n):
         r = {"id": f"r{i}", "messages": chat_messages(i), "max_tokens": max_tokens}
         if guided:
             r["structured_output"] = {"json": SCHEMA}
+        if lengths is not None:
+            r.update(max_tokens=lengths[i], ignore_eos=True)
         out.append(r)
     return out
 
 
 # ---------------------------------------------------------------- tpguide
-def run_tpguide(engine, dicts: List[dict]):
-    requests = parse_request_lines([json.dumps(r) for r in dicts], 32)
+def run_tpguide(engine, dicts: List[dict], default_max_tokens: int = 32):
+    """(token ids per request, wall seconds) of one ``Engine.generate`` call; raises if a request failed."""
+    requests = parse_request_lines([json.dumps(r) for r in dicts], default_max_tokens)
     start = time.perf_counter()
     outputs = engine.generate(requests)
     wall = time.perf_counter() - start
@@ -209,8 +216,10 @@ def main(argv=None) -> int:
             g_wall = min(g_wall, wall)
             h_tokens, wall = hf.run(n, args.max_tokens)
             h_wall = min(h_wall, wall)
-            f_tokens, wall = run_tpguide(engine, request_dicts(n, args.max_tokens, guided=False))
+            lengths = [len(t) for t in g_tokens]
+            f_tokens, wall = run_tpguide(engine, request_dicts(n, args.max_tokens, False, lengths))
             f_wall = min(f_wall, wall)
+            assert [len(t) for t in f_tokens] == lengths, "the unguided run must match the guided lengths"
         g_rate = sum(map(len, g_tokens)) / g_wall
         h_rate = sum(map(len, h_tokens)) / h_wall
         f_rate = sum(map(len, f_tokens)) / f_wall
@@ -218,7 +227,8 @@ def main(argv=None) -> int:
         print(f"{n:>5} | {g_rate:>10.1f} t/s | {h_rate:>7.1f} t/s | {g_rate / h_rate:>10.2f}x | "
               f"{same:>5}/{n:<5} | {f_rate:>8.1f} t/s | {100 * (f_rate / g_rate - 1):>+13.1f}%")
     print("\n(throughput = generated tokens incl. the stop token / wall s; ratio > 1: tpguide faster;\n"
-          " guide overhead = extra time per token of guided over unguided tpguide)")
+          " tpguide free = unguided, each request forced to its guided output length;\n"
+          " guide overhead = extra wall time of guided over that unguided run, same batch every step)")
 
     if args.profile:
         prof = cProfile.Profile()

@@ -177,3 +177,15 @@ def test_attention_metadata_validation():
         AttentionMetadata.from_lists([1, 1], [1, 1], [0, 0])
     with pytest.raises(ValueError, match="query_lens"):
         AttentionMetadata.from_lists([1], [0], [0])
+
+
+@pytest.mark.parametrize("slots", [[1, 2, 3], [3, 0, 2]])  # cache views / gathered slots
+def test_decode_only_batch_matches_transformers(ckpt, slots):
+    _, hf, model = ckpt
+    seqs = [prompt(4 + i, 10 + i) for i in range(3)]
+    model.allocate_kv_cache(4, 32)
+    firsts = step(model, [(s, 0, ids) for s, ids in zip(slots, seqs)])
+    nxt = [int(lg[-1].argmax()) for lg in firsts]
+    got = step(model, [(s, len(ids), [t]) for s, ids, t in zip(slots, seqs, nxt)])
+    for g, ids, t in zip(got, seqs, nxt):
+        torch.testing.assert_close(g[-1], hf_logits(hf, ids + [t])[-1], atol=ATOL, rtol=0)

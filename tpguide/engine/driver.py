@@ -216,7 +216,7 @@ class Driver:
             if self.guided.is_terminated(req.slot):
                 req.finish("stop")
                 return
-        if token in self.stop_token_ids:
+        if token in self.stop_token_ids and not req.sampling_params.ignore_eos:
             req.finish("stop")
         elif len(req.output_token_ids) >= req.sampling_params.max_tokens:
             req.finish("length")

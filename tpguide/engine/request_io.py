@@ -7,7 +7,7 @@ Request line (field names follow vLLM's structured-outputs parameters)::
                           | {"grammar": str} | {"json_object": true}
                           | {"structural_tag": ...} | null,
      "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-     "seed": int, "logprobs": int, "prompt_logprobs": int | null}
+     "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool}
 
 A line that cannot be parsed or validated becomes a request that is already
 finished with ``finish_reason="error"``: it still gets its output line, in
@@ -26,9 +26,10 @@ from tpguide.engine.sampling_params import SamplingParams
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
-     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs"}
+     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos"}
 )
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
+                    "ignore_eos")
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:

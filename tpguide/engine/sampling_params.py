@@ -28,6 +28,10 @@ class SamplingParams:
     prompt_logprobs : int or None
         ``None`` = off; ``n`` = per prompt token after the first, its logprob
         given the prefix plus the top-``n`` (vLLM semantics; 0 = the token only).
+    ignore_eos : bool
+        Keep generating after a stop token (it is still output) until
+        ``max_tokens``, as vLLM's ``ignore_eos``; for benchmarks with fixed
+        output lengths.  A guided request still ends when its grammar does.
 
     Raises
     ------
@@ -42,6 +46,7 @@ class SamplingParams:
     seed: Optional[int] = None
     logprobs: int = 0
     prompt_logprobs: Optional[int] = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -62,3 +67,5 @@ class SamplingParams:
                 isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
                 or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be null or an int in [0, 20], got {self.prompt_logprobs!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")

@@ -18,7 +18,7 @@ sequence ``s`` sees cache positions ``<= context_lens[s] + i``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,9 @@ class AttentionMetadata:
         sequence ``s`` sees key positions ``<= context_lens[s] + i`` (built once
         per step, shared by every layer).  Padded query rows keep key 0
         visible so no row is all-masked; they are dropped after attention.
+    slot_range : tuple of int or None
+        ``(a, a + num_seqs)`` when ``seq_slots`` is ``a, a+1, ..`` (the usual
+        steady state): attention then reads cache views instead of gathering.
     """
 
     seq_slots: torch.Tensor
@@ -66,6 +69,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     attn_mask: torch.Tensor
+    slot_range: Optional[Tuple[int, int]] = None
 
     @property
     def num_seqs(self) -> int:
@@ -119,6 +123,8 @@ class AttentionMetadata:
             max_query_len=max_q,
             max_seq_len=max_s,
             attn_mask=attn_mask.to(**to),
+            slot_range=(seq_slots[0], seq_slots[0] + n) if list(seq_slots) == list(
+                range(seq_slots[0], seq_slots[0] + n)) else None,
         )
 
 
@@ -175,8 +181,12 @@ class Attention(nn.Module):
         else:
             q_pad = q.new_zeros(num_seqs, max_q, self.num_heads, self.head_dim)  # [S, Q, H, D]
             q_pad[seq, qi] = q
-        keys = self.k_cache[meta.seq_slots, :max_s]  # [S, K, Hkv, D]
-        values = self.v_cache[meta.seq_slots, :max_s]  # [S, K, Hkv, D]
+        if meta.slot_range is not None:  # slots a, a+1, ..: views of the cache, no gather
+            lo, hi = meta.slot_range
+            keys, values = self.k_cache[lo:hi, :max_s], self.v_cache[lo:hi, :max_s]  # [S, K, Hkv, D]
+        else:
+            keys = self.k_cache[:, :max_s].index_select(0, meta.seq_slots)  # [S, K, Hkv, D]
+            values = self.v_cache[:, :max_s].index_select(0, meta.seq_slots)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),  # [S, H, Q, D]
             keys.transpose(1, 2),  # [S, Hkv, K, D]
@@ -185,5 +195,7 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [S, H, Q, D]
+        if max_q == 1:  # decode: row s is token s
+            return out.reshape(num_seqs, self.num_heads * self.head_dim)
         out = out.transpose(1, 2)[seq, qi]  # [T, H, D]
         return out.flatten(1)
