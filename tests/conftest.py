@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded real model and a tiny random-weight model with its tokenizer."""
+"""Shared fixtures: the embedded real model, a tiny random-weight model with its tokenizer, a temporary cache root."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ def stop_ids(tokenizer):
     from tpguide.guided import collect_stop_token_ids
 
     return collect_stop_token_ids(tokenizer)
+
+
+@pytest.fixture
+def lens_cache(tmp_path, monkeypatch):
+    """A temporary ``$TPGUIDE_CACHE`` (inherited by spawned ranks); returns where draft lenses are cached."""
+    monkeypatch.setenv("TPGUIDE_CACHE", str(tmp_path))
+    return tmp_path / "draft_lens"

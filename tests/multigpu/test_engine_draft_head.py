@@ -6,9 +6,10 @@ Two drafters over the 2-layer tiny model:
   one token at a time.  Greedy drafts must then be accepted (almost) always,
   guided or not, which checks that drafting sees the same grammar state as
   verification (matcher advanced through the drafts, then rolled back).
-* **weak**: one layer and an odd-sized pruned vocabulary (padded at tp 2, so
-  rank 1's ``d2t`` slice maps into the whole target vocabulary): most drafts
-  are rejected, windows end early, the grammar allows no draft id.
+* **weak**: one layer, a tuned lens fitted at engine build (the default) and
+  an odd-sized pruned vocabulary (padded at tp 2, so rank 1's ``d2t`` slice
+  maps into the whole target vocabulary): most drafts are rejected, windows
+  end early, the grammar allows no draft id.
 
 Either way every request must reproduce the tokens and finish reason of a
 run without speculation.
@@ -35,6 +36,8 @@ REQUESTS = [
     {"id": "free-greedy-2", "prompt": "1 2 3 4", "max_tokens": 9},
     {"id": "sampled", "prompt": "a b a b", "max_tokens": 12, "temperature": 0.8, "top_k": 20, "seed": 11},
 ]
+pytestmark = pytest.mark.usefixtures("lens_cache")  # the weak drafter's lens is cached in a temporary root
+
 GREEDY_IDS = ["schema", "regex", "choice", "free-greedy", "free-greedy-2"]
 BASE = dict(max_num_seqs=4, max_num_batched_tokens=40, max_model_len=128)
 PERFECT = EngineConfig(**BASE, speculative_method="draft-head", num_speculative_tokens=3,

@@ -6,7 +6,9 @@ layers of the target (shared weights and shared KV cache; a layer ``< L``
 computes the same keys and values the target would, so the target's
 verification simply overwrites them), the target's final norm, and an LM head
 over ``draft_vocab_size`` target ids only.  Its rows are the target's LM-head
-rows of those ids.
+rows of those ids.  Optionally a tuned-lens translator (an affine map fitted
+on calibration text, :mod:`tpguide.engine.draft_lens`) sits between layer
+``L`` and the final norm.
 
 **Draft vocabulary.**  :func:`select_draft_vocab` keeps the first ``N`` ids
 plus every stop token.  Byte-level BPE vocabularies (SmolLM2, Llama, GPT-2)
@@ -201,7 +203,7 @@ def draft_greedy(draft_logits: torch.Tensor, head: DraftLMHead) -> torch.Tensor:
 
 
 class DraftHead(nn.Module):
-    """The first ``num_layers`` layers of ``target`` + its final norm + a :class:`DraftLMHead`.
+    """The first ``num_layers`` layers of ``target`` + an optional lens + its final norm + a :class:`DraftLMHead`.
 
     Parameters
     ----------
@@ -210,14 +212,29 @@ class DraftHead(nn.Module):
     num_layers : int
         ``1 <= L <= num_hidden_layers``.
     lm_head : DraftLMHead
+    lens : torch.Tensor, optional
+        float32 ``[H + 1, H]`` affine translator of the residual after layer
+        ``L`` (last row the bias), the same on every rank
+        (:mod:`tpguide.engine.draft_lens`); None = identity.
+
+    Raises
+    ------
+    ValueError
+        ``num_layers`` out of range; a lens of the wrong shape or dtype, or
+        with ``L == num_hidden_layers`` (the residual already is the last one).
     """
 
-    def __init__(self, target, num_layers: int, lm_head: DraftLMHead) -> None:
+    def __init__(self, target, num_layers: int, lm_head: DraftLMHead, lens: Optional[torch.Tensor] = None) -> None:
         super().__init__()
-        n = len(target.model.layers)
+        n, hidden = len(target.model.layers), target.config.hidden_size
         if not 1 <= num_layers <= n:
             raise ValueError(f"num_layers must be in [1, {n}], got {num_layers}")
+        if lens is not None and (lens.shape != (hidden + 1, hidden) or lens.dtype != torch.float32
+                                 or num_layers == n):
+            raise ValueError(f"a lens must be float32 [{hidden + 1}, {hidden}] with num_layers < {n}, got "
+                             f"{lens.dtype} {list(lens.shape)} with num_layers={num_layers}")
         self.target, self.num_layers, self.lm_head = target, num_layers, lm_head
+        self.register_buffer("lens", None if lens is None else lens.to(target.group.device), persistent=False)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -226,12 +243,16 @@ class DraftHead(nn.Module):
         x = m.embed_tokens(input_ids)
         for layer in m.layers[: self.num_layers]:
             x = layer(positions, x, meta)
+        if self.lens is not None:
+            x = torch.addmm(self.lens[-1], x.float(), self.lens[:-1]).to(x.dtype)  # [x, 1] @ lens
         return m.norm(x)
 
 
 def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: int,
-                     always_token_ids: Iterable[int] = ()) -> DraftHead:
+                     always_token_ids: Iterable[int] = (), lens: bool = False, tokenizer=None) -> DraftHead:
     """This rank's draft head over ``target`` (its shard), LM-head rows read from ``model_dir``.
+
+    With ``lens`` it is a collective (every rank calls it with the same arguments).
 
     Parameters
     ----------
@@ -247,17 +268,30 @@ def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: 
         Target ids the draft head predicts (:func:`select_draft_vocab`).
     always_token_ids : iterable of int
         Ids always in the draft vocabulary (the stop tokens); the same on every rank.
+    lens : bool
+        Put a tuned-lens translator after layer ``L`` when ``L < num_hidden_layers``:
+        loaded from the cache or fitted on the built-in calibration text
+        (:func:`~tpguide.engine.draft_lens.load_or_fit_lens`, which replaces
+        the KV cache: build the Engine afterwards).
+    tokenizer : transformers tokenizer, optional
+        Driver only; needed with ``lens``.
 
     Raises
     ------
     ValueError
-        Bad ``num_layers`` or ``draft_vocab_size``; the checkpoint lacks the LM-head tensor.
+        Bad ``num_layers`` or ``draft_vocab_size``; the checkpoint lacks the
+        LM-head tensor; the lens cannot be fitted (on every rank).
     """
     from pathlib import Path
 
     from safetensors import safe_open
 
     cfg = target.config
+    translator = None
+    if lens and 1 <= num_layers < cfg.num_hidden_layers:
+        from tpguide.engine.draft_lens import load_or_fit_lens
+
+        translator = load_or_fit_lens(target, model_dir, num_layers, tokenizer)
     ids = select_draft_vocab(cfg.org_vocab_size, draft_vocab_size, always_token_ids)
     head = DraftLMHead(ids, cfg.hidden_size, cfg.org_vocab_size, target.group,
                        dtype=target.model.embed_tokens.weight.dtype)
@@ -266,5 +300,5 @@ def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: 
         with safe_open(str(path), framework="pt", device="cpu") as f:
             if name in f.keys():
                 head.load_target_lm_head(f.get_slice(name))
-                return DraftHead(target, num_layers, head)
+                return DraftHead(target, num_layers, head, translator)
     raise ValueError(f"no tensor {name!r} in {model_dir!r}: cannot build the draft LM head")

@@ -68,6 +68,11 @@ class EngineConfig:
     draft_vocab_size : int
         ``draft-head``: target ids the draft LM head predicts (the first ids
         of the vocabulary plus the stop tokens; :func:`~tpguide.engine.draft_head.select_draft_vocab`).
+    draft_lens : bool
+        ``draft-head`` with fewer layers than the target: put a tuned-lens
+        translator between the drafter's last layer and the final norm,
+        fitted once on built-in calibration text and cached
+        (:mod:`tpguide.engine.draft_lens`); False = the raw early exit.
     """
 
     max_num_seqs: int = 16
@@ -80,6 +85,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     draft_num_layers: Optional[int] = None
     draft_vocab_size: int = 8192
+    draft_lens: bool = True
 
     def __post_init__(self) -> None:
         _check_speculative(self.speculative_method, self.num_speculative_tokens)
