@@ -53,22 +53,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", help="JSON-lines output file (one line per request, input order)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="max_tokens of requests that do not set it (default 64)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="requests running at once: KV-cache slots, bitmask rows (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="prompt + generated tokens per request (default 2048)")
+    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
+                   help="grammar engine (default xgrammar)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights and activations; logits are fp32 (default float32)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
     p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
                    help="draft tokens verified by the model each decode step (ngram: prompt lookup; "
                         "draft-head: the model's first layers + a pruned vocab-parallel LM head); "
                         "output tokens are the same as without it")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="most drafts per request per step (default 4 with --speculative-method)")
+                   help="most drafts per request per step, 1..16 (default 4 with --speculative-method)")
     p.add_argument("--draft-num-layers", type=int, default=None,
                    help="draft-head: target layers the drafter runs (default: a third, rounded up)")
-    p.add_argument("--draft-vocab-size", type=int, default=8192,
-                   help="draft-head: token ids the draft LM head predicts (the first ids + stop tokens)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft-head: token ids the draft LM head predicts, the first ids + the stop tokens "
+                        "(default 8192)")
     p.add_argument("--no-draft-lens", dest="draft_lens", action="store_false",
                    help="draft-head: no tuned-lens translator after the drafter's last layer (by default one "
                         "is fitted on built-in calibration text at the first start, about 15 s for the "
@@ -93,7 +100,8 @@ def load_requests(args):
     return parse_request_lines([json.dumps(r) for r in DEMO_REQUESTS], args.max_new_tokens)
 
 
-def report(outputs, requests, tp_size: int, wall_s: float) -> None:
+def report(outputs, requests, tp_size: int, wall_s: float, fresh) -> None:
+    """Per request: guide, finish reason, text; then the throughput of the ``fresh`` outputs (this run's)."""
     for out, req in zip(outputs, requests):
         guide = req.structured_output.guide_type if req.structured_output is not None else "none"
         print(f"\n=== {out.id}  [guide: {guide}]  finish: {out.finish_reason}  "
@@ -105,13 +113,15 @@ def report(outputs, requests, tp_size: int, wall_s: float) -> None:
         print(f"  output : {out.text}")
         if out.error:
             print(f"  error  : {out.error}")
-    total = sum(len(o.token_ids) for o in outputs)
-    print(f"\n{len(outputs)} requests, {total} generated tokens in {wall_s:.1f} s "
-          f"({total / max(wall_s, 1e-9):.1f} tok/s) at tp_size={tp_size}")
+    total = sum(len(o.token_ids) for o in fresh)
+    kept = f" ({len(outputs) - len(fresh)} more kept from the previous run by --resume)" if len(fresh) < len(outputs) else ""
+    print(f"\n{len(fresh)} requests, {total} generated tokens in {wall_s:.1f} s "
+          f"({total / max(wall_s, 1e-9):.1f} tok/s) at tp_size={tp_size}{kept}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    _check_draft_flags(args)
     if args.collective_timeout <= 0:
         raise ValueError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
     group = init_tp_group(timeout_s=args.collective_timeout)
@@ -121,7 +131,7 @@ def main(argv=None) -> int:
                           seed=args.seed, dtype=DTYPES[args.dtype],
                           speculative_method=args.speculative_method,
                           num_speculative_tokens=_num_speculative_tokens(args),
-                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size,
+                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or 8192,
                           draft_lens=args.draft_lens)
     engine = build_engine(group, args.model, config)
     if not group.is_driver:
@@ -141,12 +151,22 @@ def main(argv=None) -> int:
         write_outputs(args.output, outputs)
         partial.close(remove=True)
     if not args.quiet:
-        report(outputs, requests, group.tp_size, wall_s)
+        report(outputs, requests, group.tp_size, wall_s, list(fresh.values()))
         if engine.driver.spec is not None:
             spec = engine.driver.spec
             print(spec.stats.summary(spec.method, spec.num_speculative_tokens))
     destroy_tp_group(group)
     return 0
+
+
+def _check_draft_flags(args) -> None:
+    """The draft-head flags need ``--speculative-method draft-head`` (else they would be silently ignored)."""
+    used = [flag for flag, on in (("--draft-num-layers", args.draft_num_layers is not None),
+                                  ("--draft-vocab-size", args.draft_vocab_size is not None),
+                                  ("--no-draft-lens", not args.draft_lens)) if on]
+    if used and args.speculative_method != "draft-head":
+        raise ValueError(f"{', '.join(used)} need --speculative-method draft-head, got "
+                         f"--speculative-method {args.speculative_method}")
 
 
 def _num_speculative_tokens(args) -> int:

@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, TypeVar
 
@@ -227,6 +228,9 @@ def load_or_fit_lens(target, model_dir: str, num_layers: int, tokenizer=None,
     cached, seqs, error = C.broadcast_object((lens is not None, None if lens is not None else seqs, error), group)
     _raise_if(error, group)
     if not cached:
+        if group.is_driver:
+            print(f"fitting the draft head's tuned lens for layer {num_layers} on {sum(map(len, seqs))} "
+                  f"calibration tokens (once per model and layer, then cached) ...", file=sys.stderr, flush=True)
         h_layer, h_final = collect_residuals(target, num_layers, seqs)
         lens, error = _on_driver(group, lambda: fit_tuned_lens(h_layer, h_final, ridge))
         _raise_if(C.broadcast_object(error, group), group)

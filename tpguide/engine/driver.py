@@ -85,6 +85,7 @@ class Driver:
         ids = self.tokenize(req)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        req.prompt_token_ids = ids  # reported in the output even if a later check fails
         limit = self.config.max_model_len
         total = len(ids) + req.sampling_params.max_tokens
         if total > limit:
@@ -265,5 +266,6 @@ class Driver:
             elapsed_s=elapsed,
             prompt_logprobs=([None] + req.prompt_logprobs
                              if req.sampling_params.prompt_logprobs is not None and req.prompt_token_ids
+                             and req.finish_reason != "error"
                              else None),
         )

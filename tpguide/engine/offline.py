@@ -58,7 +58,10 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     if config.speculative_method == "draft-head":
         from tpguide.engine.draft_head import build_draft_head
 
-        num_layers = config.draft_num_layers or -(-model.config.num_hidden_layers // 3)
+        num_hidden = model.config.num_hidden_layers
+        num_layers = config.draft_num_layers or -(-num_hidden // 3)
+        if num_layers > num_hidden:
+            raise ValueError(f"draft_num_layers={num_layers} exceeds the model's {num_hidden} layers")
         draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids,
                                       lens=config.draft_lens, tokenizer=tokenizer)
     return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head)
