@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                           seed=args.seed, dtype=DTYPES[args.dtype],
                           speculative_method=args.speculative_method,
                           num_speculative_tokens=_num_speculative_tokens(args),
-                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or 8192,
+                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
                           draft_lens=args.draft_lens)
     engine = build_engine(group, args.model, config)
     if not group.is_driver:
@@ -165,8 +165,8 @@ def _check_draft_flags(args) -> None:
                                   ("--draft-vocab-size", args.draft_vocab_size is not None),
                                   ("--no-draft-lens", not args.draft_lens)) if on]
     if used and args.speculative_method != "draft-head":
-        raise ValueError(f"{', '.join(used)} need --speculative-method draft-head, got "
-                         f"--speculative-method {args.speculative_method}")
+        raise ValueError(f"{', '.join(used)} {'needs' if len(used) == 1 else 'need'} --speculative-method "
+                         f"draft-head, got --speculative-method {args.speculative_method}")
 
 
 def _num_speculative_tokens(args) -> int:

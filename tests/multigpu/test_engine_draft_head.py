@@ -21,7 +21,7 @@ import pytest
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.dist.spawn import run_on_ranks
+from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine.engine import Engine, EngineConfig
 from tpguide.engine.offline import build_engine
 from tpguide.engine.request_io import parse_request_lines
@@ -76,11 +76,7 @@ def _same(outputs, reference, ids=None):
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_perfect_drafter_equals_plain_and_is_accepted(reference, tiny_model_path, tp_size):
-    if tp_size == 1:
-        results = [run_requests(TPGroup(), tiny_model_path, PERFECT, GREEDY_IDS)]
-    else:
-        results = run_on_ranks(run_requests, tp_size, tiny_model_path, PERFECT, GREEDY_IDS)
-    for outputs, stats in results:
+    for outputs, stats in run_at_tp_size(run_requests, tp_size, tiny_model_path, PERFECT, GREEDY_IDS):
         _same(outputs, reference, GREEDY_IDS)
         assert stats.num_drafted > 20, stats
         assert stats.num_accepted >= 0.9 * stats.num_drafted, stats  # the drafter is the target
@@ -88,11 +84,7 @@ def test_perfect_drafter_equals_plain_and_is_accepted(reference, tiny_model_path
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_weak_drafter_equals_plain(reference, tiny_model_path, tp_size):
-    if tp_size == 1:
-        results = [run_requests(TPGroup(), tiny_model_path, WEAK)]
-    else:
-        results = run_on_ranks(run_requests, tp_size, tiny_model_path, WEAK)
-    for outputs, stats in results:
+    for outputs, stats in run_at_tp_size(run_requests, tp_size, tiny_model_path, WEAK):
         _same(outputs, reference)
         assert stats.num_drafted > 0 and stats.num_accepted < stats.num_drafted, stats
 

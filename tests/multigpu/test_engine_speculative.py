@@ -15,7 +15,7 @@ import pytest
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.dist.spawn import run_on_ranks
+from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine.engine import EngineConfig
 from tpguide.engine.offline import build_engine
 from tpguide.engine.request_io import parse_request_lines
@@ -105,11 +105,7 @@ def test_tp1_speculative_equals_plain_and_accepts_drafts(reference, tiny_model_p
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_oracle_drafts_speculative_equals_plain(reference, tiny_model_path, tp_size):
-    if tp_size == 1:
-        results = [generate_with_oracle(TPGroup(), tiny_model_path, SPEC, reference)]
-    else:
-        results = run_on_ranks(generate_with_oracle, tp_size, tiny_model_path, SPEC, reference)
-    for outputs, stats in results:
+    for outputs, stats in run_at_tp_size(generate_with_oracle, tp_size, tiny_model_path, SPEC, reference):
         _same(outputs, reference)
         # most windows are accepted whole; the corrupted ones and the filler are not
         assert stats.num_accepted > stats.num_drafted / 2, stats

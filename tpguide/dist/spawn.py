@@ -93,3 +93,15 @@ def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(tp_size)]
+
+
+def run_at_tp_size(fn: Callable, tp_size: int, *args: Any) -> List[Any]:
+    """``fn(group, *args)`` per rank, results by rank: at tp 1 in this process, else :func:`run_on_ranks`.
+
+    tp 1 runs as the product does: one plain process without ``torch.distributed``.
+    """
+    if tp_size == 1:
+        from tpguide.dist import TPGroup
+
+        return [fn(TPGroup(), *args)]
+    return run_on_ranks(fn, tp_size, *args)

@@ -1,7 +1,7 @@
 """Drafting with the draft head inside a step: the driver steers, every rank computes (issue 4).
 
 Speculative method ``draft-head``.  The scheduler reserves ``k`` draft
-positions per decode request (:data:`DRAFT_PENDING` placeholders, counted in
+positions per decode request (:data:`~tpguide.engine.speculative.DRAFT_PENDING` placeholders, counted in
 the token budget); before the step's plan is built the engine runs up to
 ``K`` drafting iterations over the requests still drafting::
 
@@ -35,7 +35,6 @@ from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.engine.draft_head import DraftHead, apply_draft_bitmask_inplace, draft_greedy
 from tpguide.engine.scheduler import ScheduledRequest
-from tpguide.engine.speculative import DRAFT_PENDING  # noqa: F401 - re-exported
 from tpguide.model.attention import AttentionMetadata
 
 
@@ -94,7 +93,7 @@ def run_draft_iteration(head: DraftHead, plan: DraftPlan, group: TPGroup,
 
 
 def draft_with_head(driver, head: DraftHead, group: TPGroup, scheduled: List[ScheduledRequest]) -> None:
-    """Replace the :data:`DRAFT_PENDING` placeholders of ``scheduled`` by drafts (driver; collective).
+    """Replace the :data:`~tpguide.engine.speculative.DRAFT_PENDING` placeholders of ``scheduled`` by drafts (driver; collective).
 
     Afterwards each decode request's ``token_ids`` is ``[golden, d_1 .. d_m]``
     with ``m <= k`` reserved and ``num_draft_tokens = m``; its matcher is back
