@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 from tpguide.dist.group import DEFAULT_TIMEOUT_S  # noqa: E402
 from tpguide.engine.engine import EngineConfig  # noqa: E402
-from tpguide.engine.offline import build_engine  # noqa: E402
 from tpguide.engine.faults import DriverAborted  # noqa: E402
+from tpguide.engine.offline import build_engine  # noqa: E402
 from tpguide.engine.output_stream import load_finished, open_partial, output_from_json  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
 

@@ -1,5 +1,6 @@
 """Dead ends and non-finite logits fail one request; the rest of the batch is untouched (tp 1)."""
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,6 @@ from tpguide.engine.offline import build_engine, generate_on_group
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.xgrammar_backend import XGrammarMatcher
-import json
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 DEAD_REGEX = "[a-z]{1,20}"

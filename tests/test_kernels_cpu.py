@@ -10,7 +10,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernels_cases import (  # noqa: E402
-    DTYPES, ODD_VOCABS, assert_bits_equal, check_against_reference, check_d2t_shards, check_shards, make_bitmask,
+    DTYPES,
+    ODD_VOCABS,
+    assert_bits_equal,
+    check_against_reference,
+    check_d2t_shards,
+    check_shards,
+    make_bitmask,
 )
 
 import tpguide.kernels.apply_token_bitmask_cpu as cpu_backend  # noqa: E402

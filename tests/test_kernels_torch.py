@@ -10,7 +10,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernels_cases import (  # noqa: E402
-    DTYPES, ODD_VOCABS, check_against_reference, check_d2t_shards, check_shards, devices,
+    DTYPES,
+    ODD_VOCABS,
+    check_against_reference,
+    check_d2t_shards,
+    check_shards,
+    devices,
 )
 
 import tpguide.kernels.apply_token_bitmask_torch as torch_backend  # noqa: E402

@@ -23,7 +23,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_kernels_cases import (  # noqa: E402
-    assert_bits_equal, check_against_reference, check_d2t_shards, check_shards, make_bitmask,
+    assert_bits_equal,
+    check_against_reference,
+    check_d2t_shards,
+    check_shards,
+    make_bitmask,
 )
 
 pytest.importorskip("triton")
@@ -43,8 +47,8 @@ def _words(width, num_words):
 
 def _block_size(block_size):
     def case(device):
-        from tpguide.kernels.apply_token_bitmask_triton import apply_token_bitmask_inplace_triton
         from tpguide.kernels import apply_token_bitmask_inplace
+        from tpguide.kernels.apply_token_bitmask_triton import apply_token_bitmask_inplace_triton
         bitmask = make_bitmask(3, 5, device=device, strided=True)
         logits = torch.randn(3, 150, device=device)
         expected = logits.clone()

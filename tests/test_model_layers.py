@@ -12,11 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from tpguide.dist import TPGroup
+from tpguide.model.attention import AttentionMetadata
 from tpguide.model.config import ModelConfig, pad_heads
 from tpguide.model.llama import LlamaAttention, LlamaMLP
-from tpguide.model.attention import AttentionMetadata
 from tpguide.model.parallel_linear import (
-    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
 )
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.weight_slice import copy_clipped_

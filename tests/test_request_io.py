@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tpguide.engine.request_io import load_outputs, parse_request_lines, write_outputs
 from tpguide.engine.request import RequestOutput
+from tpguide.engine.request_io import load_outputs, parse_request_lines, write_outputs
 from tpguide.engine.sampling_params import SamplingParams
 
 
@@ -47,6 +47,6 @@ def test_outputs_are_written_atomically_in_order(tmp_path):
             for i in range(3)]
     write_outputs(str(path), outs)
     lines = path.read_text().splitlines()
-    assert [json.loads(l)["id"] for l in lines] == ["0", "1", "2"]
+    assert [json.loads(line)["id"] for line in lines] == ["0", "1", "2"]
     assert list(load_outputs(str(path))) == ["0", "1", "2"]
     assert not list(tmp_path.glob("*.tmp"))

@@ -17,7 +17,13 @@ from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.engine.draft_head import (
-    DraftHead, DraftLMHead, apply_draft_bitmask_inplace, build_d2t, draft_greedy, select_draft_vocab)
+    DraftHead,
+    DraftLMHead,
+    apply_draft_bitmask_inplace,
+    build_d2t,
+    draft_greedy,
+    select_draft_vocab,
+)
 from tpguide.guided import unpack_bitmask
 from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.model.attention import AttentionMetadata

@@ -4,7 +4,7 @@ This package is the only place that calls ``torch.distributed`` or reads the
 torchrun environment (house rule 1 and 2).
 """
 
-from tpguide.dist.group import TPGroup, init_tp_group, destroy_tp_group
 from tpguide.dist import collectives
+from tpguide.dist.group import TPGroup, destroy_tp_group, init_tp_group
 
 __all__ = ["TPGroup", "init_tp_group", "destroy_tp_group", "collectives"]

@@ -79,10 +79,10 @@ def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"rank(s) {dead} of {tp_size} died without reporting "
-                                       f"(exit codes {[procs[r].exitcode for r in dead]})")
+                                       f"(exit codes {[procs[r].exitcode for r in dead]})") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not all report within {timeout_s} s; "
-                                       f"reported {sorted(results)}")
+                                       f"reported {sorted(results)}") from None
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {tp_size} failed:\n{value}")

@@ -88,11 +88,25 @@ from tpguide.dist import collectives
 from tpguide.dist.group import TPGroup
 from tpguide.engine.random_stream import gumbel_noise
 from tpguide.engine.sampler_candidates import (
-    Merged, _key_ids, _key_values, _row_modes, _RowModes, local_candidates,
-    local_sum_exp, merge_candidates, num_candidates)
+    Merged,
+    _key_ids,
+    _key_values,
+    _row_modes,
+    _RowModes,
+    local_candidates,
+    local_sum_exp,
+    merge_candidates,
+    num_candidates,
+)
 from tpguide.engine.sampling_metadata import (  # SamplingMetadata re-exported
-    _FIXED_ONE, _ID_SPAN, MAX_VOCAB_SIZE, MIN_TEMPERATURE, TOP_P_GROWTH,
-    SamplerOutput, SamplingMetadata)
+    _FIXED_ONE,
+    _ID_SPAN,
+    MAX_VOCAB_SIZE,
+    MIN_TEMPERATURE,
+    TOP_P_GROWTH,
+    SamplerOutput,
+    SamplingMetadata,
+)
 from tpguide.model.vocab_shard import VocabShard
 
 

@@ -16,8 +16,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from tpguide.engine.random_stream import gumbel_noise
-from tpguide.engine.sampling_metadata import (_COLS, _FIXED_ONE, _ID_SPAN, MIN_TEMPERATURE,
-                                              TOP_P_CANDIDATES, SamplingMetadata)
+from tpguide.engine.sampling_metadata import (
+    _COLS,
+    _FIXED_ONE,
+    _ID_SPAN,
+    MIN_TEMPERATURE,
+    TOP_P_CANDIDATES,
+    SamplingMetadata,
+)
 from tpguide.model.vocab_shard import VocabShard
 
 

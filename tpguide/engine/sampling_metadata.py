@@ -6,6 +6,7 @@ Split out of :mod:`tpguide.engine.sampler`, which explains the algorithms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 #: Candidates per rank for rows that use top-p without top-k (first round).

@@ -14,8 +14,8 @@ from typing import List, Optional
 
 import torch
 
-from tpguide.engine.sampling_metadata import SamplingMetadata
 from tpguide.engine.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
+from tpguide.engine.sampling_metadata import SamplingMetadata
 from tpguide.engine.scheduler import ScheduledRequest
 
 
