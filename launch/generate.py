@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
+from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
 from tpguide.dist.group import DEFAULT_TIMEOUT_S  # noqa: E402
 from tpguide.engine import EngineConfig, RequestOutput, build_engine  # noqa: E402
 from tpguide.engine.output_stream import load_finished, open_partial  # noqa: E402
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
                           draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
                           draft_lens=args.draft_lens)
     engine = build_engine(group, args.model, config)
+    if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
+        engine.runner.on_step = step_fault_hook(group)
     if not group.is_driver:
         engine.run_worker()
         destroy_tp_group(group)

@@ -27,7 +27,7 @@ from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import Scheduler
 from tpguide.engine.step_finisher import StepFinisher
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
-from tpguide.speculative.verify import make_speculator
+from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepResult
 
 #: ``(token_bitmask [R, bitmask_size], token_mask [R], failed sample rows)`` of one fill.
@@ -52,7 +52,9 @@ class Driver:
         self.config = config
         self.padded_vocab_size = padded_vocab_size
         self.guided: Optional[GuidedDecoder] = None  # built on the first guided request (takes a few seconds)
-        self.spec = make_speculator(config)  # None unless speculative decoding is on
+        self.spec: Optional[Speculator] = None  # drafting and verification, with speculative decoding
+        if config.speculative_method is not None:
+            self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    propose_drafts=self.spec.propose if self.spec else None)
         self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec)

@@ -141,11 +141,6 @@ class GuidedBackend(abc.ABC):
                 self._cache.popitem(last=False)
         return compiled
 
-    @property
-    def num_cached(self) -> int:
-        """Compiled guides currently cached."""
-        return len(self._cache)
-
     @abc.abstractmethod
     def _compile(self, guide_type: str, guide_text: str) -> Any:
         """Compile one guide; raise ValueError with the backend's message on bad input."""

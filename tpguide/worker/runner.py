@@ -24,7 +24,6 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.dist.fault_inject import step_fault_hook
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
@@ -82,7 +81,9 @@ class StepRunner:
     def __init__(self, model, group: TPGroup, draft_head=None) -> None:
         self.model, self.group, self.draft_head = model, group, draft_head
         self.shard = model.vocab_shard
-        self._on_step = step_fault_hook(group)  # a no-op unless TPGUIDE_FAULT_INJECT names this rank
+        #: called at the start of every step; ``launch/generate.py`` sets it to
+        #: :func:`tpguide.dist.fault_inject.step_fault_hook` when ``TPGUIDE_FAULT_INJECT`` is set (tests only)
+        self.on_step: Optional[Callable[[], None]] = None
 
     def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSource] = None) -> StepResult:
         """Run one step on this rank (a collective: every rank calls it with the same plan).
@@ -97,7 +98,8 @@ class StepRunner:
         -------
         StepResult
         """
-        self._on_step()
+        if self.on_step is not None:
+            self.on_step()
         dev = self.group.device
         meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
         hidden = self.model(plan.input_ids.to(dev), meta.token_positions, meta)  # [T, H]
