@@ -6,7 +6,8 @@ per step::
 
     planned = driver.plan_step(...)          # a PlannedStep value (tpguide/engine/planner.py)
     filled  = driver.fill_bitmask(planned)   # in a thread, while the forward runs
-    outputs = driver.finish_step(planned, result, filled)
+    result  = runner.execute(planned.plan, <the filled rows>)   # every rank (tpguide/worker/runner.py)
+    outputs = driver.finish_step(planned, result)
 
 Everything here fails per request: a bad prompt, a grammar that does not
 compile, a dead end or a matcher error finishes that request with
@@ -168,16 +169,16 @@ class Driver:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
         return token_bitmask, token_mask, list(failed)
 
-    def bitmask_slices(self, filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
-        token_bitmask, token_mask, _ = filled
-        return token_mask, split_bitmask(token_bitmask, tp_size)
+    @staticmethod
+    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor], List[int]]:
+        """``(token_mask, per-rank word slices, failed rows)`` of a fill, for the scatter."""
+        token_bitmask, token_mask, failed = filled
+        return token_mask, split_bitmask(token_bitmask, tp_size), failed
 
-    def finish_step(self, planned: PlannedStep, result: StepResult,
-                    filled: Optional[Filled] = None) -> List[RequestOutput]:
-        """Apply the step's result; the outputs of the requests that changed."""
+    def finish_step(self, planned: PlannedStep, result: StepResult) -> List[RequestOutput]:
+        """Apply the step's result (:mod:`tpguide.engine.step_finisher`); the outputs of the requests that changed."""
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, filled[2] if filled is not None else ())
+        self.finisher.finish(planned, result, self.guided)
         outputs = []
         for s in planned.scheduled:
             req = s.request

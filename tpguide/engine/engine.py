@@ -119,7 +119,7 @@ class Engine:
             result = self.runner.execute(
                 planned.plan, (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None)
             in_step = False
-            return outputs + drv.finish_step(planned, result, filling.result() if filling else None)
+            return outputs + drv.finish_step(planned, result)
         except Exception as exc:
             if not in_step:
                 C.broadcast_object(Message.abort(exc), self.group)
