@@ -21,7 +21,7 @@ def loaded_shape(loaded: Loadable) -> Tuple[int, ...]:
     """Shape of the whole checkpoint tensor, without reading it."""
     if isinstance(loaded, torch.Tensor):
         return tuple(loaded.shape)
-    return tuple(loaded.get_shape())
+    return tuple(loaded.get_shape())  # safetensors slice, TensorSlice or RowView
 
 
 def check_shape(loaded: Loadable, expected: Sequence[int]) -> None:
@@ -59,3 +59,33 @@ def default_weight_loader(param: torch.Tensor, loaded: Loadable, shard_id: Any =
     assert shard_id is None, f"replicated parameter got shard_id={shard_id!r}"
     check_shape(loaded, param.shape)
     param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[tuple(slice(None) for _ in param.shape)])
+
+
+class RowView:
+    """Rows ``[start, start + length)`` (dim 0) of a :data:`Loadable`, itself lazily sliceable.
+
+    Hands one part of a fused checkpoint tensor (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``) to a packed layer's ``weight_loader`` as if it were a
+    tensor of its own; only the rows the loader asks for are read.
+    """
+
+    def __init__(self, loaded: Loadable, start: int, length: int) -> None:
+        shape = loaded_shape(loaded)
+        if start < 0 or start + length > shape[0]:
+            raise ValueError(f"rows [{start}, {start + length}) outside a checkpoint tensor of shape {list(shape)}")
+        self.loaded, self.start, self.shape = loaded, start, (length, *shape[1:])
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def __getitem__(self, index: Tuple[slice, ...]) -> torch.Tensor:
+        if not isinstance(index, tuple):
+            index = (index,)
+        rows = range(*(index[0] if index else slice(None)).indices(self.shape[0]))
+        if rows.step != 1:
+            raise ValueError(f"only step-1 slices are supported, got {index}")
+        outer = (slice(self.start + rows.start, self.start + rows.stop), *index[1:])
+        if isinstance(self.loaded, torch.Tensor):
+            return self.loaded[outer]
+        full = outer + (slice(None),) * (len(self.shape) - len(outer))
+        return self.loaded[full]
