@@ -10,6 +10,8 @@ every rank holds them whole; zero-padded heads stay zero through the norm.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ class QKNormAttention(LlamaAttention):
     """Attention with per-head RMS norms of q and k before RoPE (norm type from the layer's ``norm_cls``)."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int = 0,
-                 norm_cls: type = None) -> None:
+                 norm_cls: Optional[type] = None) -> None:
         super().__init__(config, group, dtype, layer_idx)
         norm_cls = norm_cls or LlamaDecoderLayer.norm_cls
         self.q_norm: nn.Module = norm_cls(config.head_dim, config.rms_norm_eps, dtype)
