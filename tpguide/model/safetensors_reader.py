@@ -30,7 +30,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 #: Bytes read per block when a slice needs part of each row.
-BLOCK_BYTES = 8 << 20
+BLOCK_BYTES = 4 << 20
 INDEX_FILENAME = "model.safetensors.index.json"
 
 
@@ -114,6 +114,22 @@ class TensorSlice:
         if f.readinto(out.numpy()) != out.numel():
             raise ValueError(f"{self.path}: file ends inside a tensor")
         return out.view(self.dtype).view(num_rows, *row_shape)
+
+    def read_rows_into(self, dst: torch.Tensor, first_row: int) -> torch.Tensor:
+        """Read rows ``[first_row, first_row + dst.size(0))`` (whole rows) straight into contiguous ``dst``.
+
+        No intermediate buffer; ``dst`` is cast-free, so it must have this
+        tensor's dtype (``ValueError`` otherwise).  Returns ``dst``.
+        """
+        if dst.dtype != self.dtype or not dst.is_contiguous() or tuple(dst.shape[1:]) != self.shape[1:]:
+            raise ValueError(f"read_rows_into needs a contiguous {self.dtype} [*, {list(self.shape[1:])}] tensor, "
+                             f"got {dst.dtype} {list(dst.shape)}")
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + first_row * prod(self.shape[1:]) * self.dtype.itemsize)
+            raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
+            if f.readinto(raw.numpy()) != raw.numel():
+                raise ValueError(f"{self.path}: file ends inside a tensor")
+        return dst
 
     def __getitem__(self, index: Tuple[slice, ...]) -> torch.Tensor:
         """The sub-tensor ``index`` (one ``slice`` per dim, step 1); reads only the rows it covers."""
