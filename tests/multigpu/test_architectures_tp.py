@@ -11,13 +11,12 @@ One job of 4 ranks runs every architecture at every tp size (sub-groups of
 ranks ``0..t-1``) and checks, against transformers in fp32:
 
 * each rank's logits shard on a prompt longer than the window (and on a
-  12-token prefix, Phi-3's short longrope factors) equals the matching slice
-  of transformers' logits (atol 1e-4);
+  12-token prefix in a 12-token cache: Phi-3's short longrope factors)
+  equals the matching slice of transformers' logits (atol 1e-4);
 * 32 greedy tokens equal ``generate`` (EOS ignored, ids past the tokenizer
   suppressed, as tpguide masks them); the prompt is longer than Phi-3's
-  original context, so no sequence crosses it mid-generation (there
-  transformers recomputes the whole cache with the long factors, tpguide
-  switches the new tokens only, as vLLM does);
+  original context, so transformers uses the long factors throughout, as
+  tpguide does for a cache longer than that context (:mod:`tpguide.model.rotary`);
 * a JSON-schema-guided greedy request gives identical tokens at tp 1..4.
 """
 
@@ -67,10 +66,12 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
     for arch, model_dir in model_dirs.items():
         for t, g in groups.items():
             model = load_model(model_dir, g, tokenizer_vocab_size=TOKENIZER_VOCAB)
-            model.allocate_kv_cache(2, 96)
-            meta = AttentionMetadata.from_lists([0, 1], [len(prompt_ids), SHORT], [0, 0])
-            ids = torch.tensor(prompt_ids + prompt_ids[:SHORT])
-            shard = model.compute_logits(model(ids, meta.token_positions, meta))  # [P + SHORT, V/t]
+            shards = []
+            for ids, max_model_len in ((prompt_ids, 96), (prompt_ids[:SHORT], SHORT)):  # Phi-3: long, short factors
+                model.allocate_kv_cache(1, max_model_len)
+                meta = AttentionMetadata.from_lists([0], [len(ids)], [0])
+                shards.append(model.compute_logits(model(torch.tensor(ids), meta.token_positions, meta)))
+            shard = torch.cat(shards)  # [P + SHORT, V/t]
             outputs = generate_on_group(g, model_dir, _requests(), config)
             out[(arch, t)] = (shard.numpy(), (model.vocab_shard.vocab_start_index, model.vocab_shard.vocab_end_index),
                               {o["id"]: o["token_ids"] for o in outputs})

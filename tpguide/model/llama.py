@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # q: [T, Hl, D], k/v: [T, Kl, D]
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k, meta)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, Hl*D] -> [T, hidden]
 
 
@@ -191,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
     def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
         """Allocate zeroed per-layer caches ``[num_slots, max_model_len, num_local_kv_heads, head_dim]``.
 
-        Model dtype, on ``group.device``; replaces any previous cache.
+        Model dtype, on ``group.device``; replaces any previous cache.  Also
+        fixes longrope's factor set for this cache length (see :mod:`tpguide.model.rotary`).
 
         Raises
         ------
@@ -204,6 +205,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"max_model_len={max_model_len} > max_position_embeddings={self.config.max_position_embeddings}"
             )
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_max_model_len(max_model_len)  # longrope picks its factors per cache length
         shape = (num_slots, max_model_len, self.num_local_kv_heads, self.config.head_dim)
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)

@@ -4,9 +4,19 @@ Covers what the supported families configure: scaled inverse frequencies
 (linear, llama3, yarn through transformers' init functions), partial rotary
 (Phi-3's ``partial_rotary_factor``: only the first ``rotary_dim`` elements of
 each head rotate), per-layer-type bases (Gemma 3's local and global layers)
-and ``longrope`` (Phi-3): a sequence whose length exceeds
-``original_max_position_embeddings`` uses the long factors, otherwise the short
-ones, as transformers' ``dynamic_rope_update`` decides per forward call.
+and ``longrope`` (Phi-3).
+
+longrope has two sets of factors.  transformers picks per forward call: long
+when the sequence is longer than ``original_max_position_embeddings``, and
+when a generation crosses that length it recomputes the whole cache with the
+long factors.  A serving engine cannot do that per sequence (chunked prefill
+would mix the two sets inside one prompt), so here the choice is made once
+per KV cache, as vLLM does: long factors for every token when
+``max_model_len > original_max_position_embeddings``, short ones otherwise
+(:meth:`RotaryEmbedding.set_max_model_len`).  Equal to transformers for every
+sequence when ``max_model_len`` is within the original context, and for
+prompts longer than it otherwise; a shorter sequence in a long-context cache
+uses the long factors where transformers would use the short ones.
 """
 
 from __future__ import annotations
@@ -16,7 +26,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tpguide.model.attention import AttentionMetadata
 from tpguide.model.config import ModelConfig
 
 
@@ -46,28 +55,26 @@ class RotaryEmbedding(nn.Module):
         if params.get("rope_type") == "longrope":
             self.longrope_threshold = int(params["original_max_position_embeddings"])
             long_inv_freq, _ = config.rope_inv_freq(layer_type=layer_type, seq_len=self.longrope_threshold + 1)
+            self.register_buffer("short_inv_freq", inv_freq.clone(), persistent=False)
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         self._cached_positions: Optional[torch.Tensor] = None  # the step's positions tensor
         self._cached_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def _inv_freq(self, positions: torch.Tensor, meta: Optional[AttentionMetadata]) -> torch.Tensor:
-        """``[D/2]``, or ``[T, D/2]`` for longrope (long factors for tokens of sequences past the threshold)."""
-        if self.longrope_threshold is None:
-            return self.inv_freq[None, :]
-        if meta is None:
-            raise ValueError("longrope needs the attention metadata (each sequence's length)")
-        long = (meta.seq_lens[meta.token_seq_index] > self.longrope_threshold)[:, None]  # [T, 1]
-        return torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """longrope: long factors iff ``max_model_len > original_max_position_embeddings`` (tokens); else a no-op."""
+        if self.longrope_threshold is not None:
+            use_long = max_model_len > self.longrope_threshold
+            self.inv_freq = self.long_inv_freq if use_long else self.short_inv_freq
+            self._cached_positions = self._cached_cos_sin = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                meta: Optional[AttentionMetadata] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
 
         cos/sin are computed once per step: the layers of one forward pass
-        the same ``positions`` object.  ``meta`` is needed for longrope only.
+        the same ``positions`` object.
         """
         if positions is not self._cached_positions or self._cached_cos_sin is None:
-            freqs = positions[:, None].float() * self._inv_freq(positions, meta)  # [T, Dr/2]
+            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dr/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
             self._cached_cos_sin = ((emb.cos() * self.attention_scaling)[:, None, :],  # [T, 1, Dr]
                                     (emb.sin() * self.attention_scaling)[:, None, :])
