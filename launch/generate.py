@@ -47,7 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local Hugging Face directory (config.json, *.safetensors, tokenizer); "
+    p.add_argument("--model", help="local Hugging Face directory (config.json, *.safetensors, tokenizer) or a "
+                                   "FILE.gguf of a supported architecture (converted once to the cache); "
                                    "default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--requests", help="JSON-lines requests file; default: the built-in demo")
     p.add_argument("--output", help="JSON-lines output file (one line per request, input order)")

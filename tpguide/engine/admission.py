@@ -17,9 +17,20 @@ from tpguide.engine.request import Request
 
 
 def tokenize_prompt(tokenizer, req: Request) -> List[int]:
-    """Prompt token ids: chat template for ``messages``, plain encoding for ``prompt``."""
+    """Prompt token ids: chat template for ``messages``, plain encoding for ``prompt``.
+
+    ``chat_template_kwargs`` become template variables (Qwen3's
+    ``enable_thinking``).  A template that rejects the messages (Gemma 2:
+    no system role) raises ``ValueError`` naming its reason: that request fails.
+    """
     if req.messages is not None:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                                 **(req.chat_template_kwargs or {}))
+        except TemplateError as exc:
+            raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(req.prompt)["input_ids"])
 

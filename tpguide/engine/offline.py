@@ -22,18 +22,19 @@ from tpguide.model.config import ModelConfig
 def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
     """Load this rank's model shard (and, on the driver, the tokenizer).
 
-    ``model_dir=None`` selects the embedded default model (converted once to
-    safetensors by the driver while the other ranks wait).
+    ``model_dir=None`` selects the embedded default model, a path ending in
+    ``.gguf`` that GGUF file (each converted once to safetensors by the driver
+    while the other ranks wait).
 
     Raises
     ------
     ValueError
         Missing model directory, unusable tp size, checkpoint/config mismatch.
     """
-    from tpguide.model.default_model import default_model_dir
     from tpguide.model.loader import load_model
+    from tpguide.model.model_source import resolve_model_dir
 
-    model_dir = str(model_dir) if model_dir else str(default_model_dir(group=group))
+    model_dir = str(resolve_model_dir(model_dir, group))  # HF directory, FILE.gguf (converted once) or default
     # every rank checks the directory and tp size before the first collective,
     # so each one fails with the same clear message
     if not Path(model_dir).is_dir():

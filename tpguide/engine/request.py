@@ -25,6 +25,7 @@ class Request:
     sampling_params: SamplingParams
     prompt: Optional[str] = None
     messages: Optional[List[Dict[str, Any]]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # extra chat-template variables (vLLM's field)
     structured_output: Any = None  # tpguide.guided.StructuredOutputsParams or None
     prompt_token_ids: List[int] = field(default_factory=list)
     output_token_ids: List[int] = field(default_factory=list)

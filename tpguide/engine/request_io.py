@@ -7,7 +7,8 @@ Request line (field names follow vLLM's structured-outputs parameters)::
                           | {"grammar": str} | {"json_object": true}
                           | {"structural_tag": ...} | null,
      "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-     "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool}
+     "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool,
+     "chat_template_kwargs": {name: value} | null}   # vLLM's name, e.g. {"enable_thinking": false}
 
 A line that cannot be parsed or validated becomes a request that is already
 finished with ``finish_reason="error"``: it still gets its output line, in
@@ -26,7 +27,7 @@ from tpguide.engine.sampling_params import SamplingParams
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
-     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos"}
+     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "chat_template_kwargs"}
 )
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
                     "ignore_eos")
@@ -86,6 +87,12 @@ def parse_request(obj: Any, index: int, default_max_tokens: int) -> Request:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
                 raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+    template_kwargs = obj.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        if not has_messages:
+            raise ValueError("'chat_template_kwargs' needs 'messages' (a plain 'prompt' has no chat template)")
+        if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+            raise ValueError(f"'chat_template_kwargs' must be an object with string keys, got {template_kwargs!r}")
     kwargs = {k: obj[k] for k in _SAMPLING_FIELDS if k in obj and obj[k] is not None}
     kwargs.setdefault("max_tokens", default_max_tokens)
     sampling = SamplingParams(**kwargs)
@@ -96,6 +103,7 @@ def parse_request(obj: Any, index: int, default_max_tokens: int) -> Request:
         sampling_params=sampling,
         prompt=obj.get("prompt"),
         messages=messages,
+        chat_template_kwargs=template_kwargs,
         structured_output=structured,
     )
 

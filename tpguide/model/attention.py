@@ -13,12 +13,20 @@ then pads queries to ``[num_seqs, max_query_len]``, reads keys
 ``[num_seqs, max_seq_len]`` from the cache and runs one
 ``F.scaled_dot_product_attention`` with a causal mask (query ``i`` of
 sequence ``s`` sees cache positions ``<= context_lens[s] + i``).
+
+Sliding-window layers (Mistral, Qwen2/3 with ``use_sliding_window``, Phi-3,
+Gemma 2/3's local layers) add a window to that mask: query position ``p``
+sees keys ``p - sliding_window < j <= p`` (transformers'
+``sliding_window_overlay``); the cache keeps every position, the mask hides
+the old ones.  Attention-logit soft-capping (Gemma 2) needs the scores, so
+those layers run the plain ``softmax(cap * tanh(q k^T * scale / cap) + mask) v``
+instead of SDPA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +64,9 @@ class AttentionMetadata:
     slot_range : tuple of int or None
         ``(a, a + num_seqs)`` when ``seq_slots`` is ``a, a+1, ..`` (the usual
         steady state): attention then reads cache views instead of gathering.
+
+    Sliding-window masks are derived on first use and cached per window
+    (:meth:`sliding_window_mask`), so all layers of one step share one.
     """
 
     seq_slots: torch.Tensor
@@ -70,6 +81,25 @@ class AttentionMetadata:
     max_seq_len: int
     attn_mask: torch.Tensor
     slot_range: Optional[Tuple[int, int]] = None
+    _window_masks: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def sliding_window_mask(self, sliding_window: int) -> torch.Tensor:
+        """bool ``[num_seqs, 1, max_query_len, max_seq_len]``: :attr:`attn_mask` and ``key > query_pos - window``.
+
+        Padded query rows keep key 0 visible, as in :attr:`attn_mask`.
+        """
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            device = self.attn_mask.device
+            q_idx = torch.arange(self.max_query_len, device=device)  # [Q]
+            query_pos = self.context_lens[:, None] + q_idx  # [S, Q]
+            key_pos = torch.arange(self.max_seq_len, device=device)  # [K]
+            in_window = key_pos[None, None, :] > query_pos[:, :, None] - sliding_window  # [S, Q, K]
+            padded_row = (q_idx[None, :] >= self.query_lens[:, None])[:, :, None]  # [S, Q, 1]
+            in_window = in_window | (padded_row & (key_pos == 0))
+            mask = self.attn_mask & in_window.unsqueeze(1)
+            self._window_masks[sliding_window] = mask
+        return mask
 
     @property
     def num_seqs(self) -> int:
@@ -138,6 +168,10 @@ class Attention(nn.Module):
     head_dim : int
     scale : float
         Softmax scale, ``head_dim ** -0.5`` for Llama.
+    sliding_window : int, optional
+        Tokens a query sees (itself included); None = full causal attention.
+    logit_softcap : float, optional
+        Scores become ``cap * tanh(scores / cap)`` before the mask (Gemma 2).
 
     Attributes
     ----------
@@ -146,9 +180,11 @@ class Attention(nn.Module):
         ``allocate_kv_cache``.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
 
@@ -187,15 +223,34 @@ class Attention(nn.Module):
         else:
             keys = self.k_cache[:, :max_s].index_select(0, meta.seq_slots)  # [S, K, Hkv, D]
             values = self.v_cache[:, :max_s].index_select(0, meta.seq_slots)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),  # [S, H, Q, D]
-            keys.transpose(1, 2),  # [S, Hkv, K, D]
-            values.transpose(1, 2),
-            attn_mask=meta.attn_mask,  # [S, 1, Q, K]
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [S, H, Q, D]
+        mask = meta.attn_mask if self.sliding_window is None else meta.sliding_window_mask(self.sliding_window)
+        if self.logit_softcap is None:
+            out = F.scaled_dot_product_attention(
+                q_pad.transpose(1, 2),  # [S, H, Q, D]
+                keys.transpose(1, 2),  # [S, Hkv, K, D]
+                values.transpose(1, 2),
+                attn_mask=mask,  # [S, 1, Q, K]
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # [S, H, Q, D]
+        else:
+            out = self._softcapped(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
         if max_q == 1:  # decode: row s is token s
             return out.reshape(num_seqs, self.num_heads * self.head_dim)
         out = out.transpose(1, 2)[seq, qi]  # [T, H, D]
         return out.flatten(1)
+
+    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``q [S, H, Q, D]``, ``k/v [S, Hkv, K, D]``, bool ``mask [S, 1, Q, K]`` -> ``[S, H, Q, D]``.
+
+        As transformers' ``eager_attention_forward`` with ``softcap``: scores
+        capped, then masked, softmax in fp32.
+        """
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:  # KV head j serves query heads j*group .. (j+1)*group-1
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [S, H, Q, K]
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

@@ -1,7 +1,9 @@
-"""The model configuration: the few numbers a Llama-family decoder needs.
+"""The model configuration: the numbers a dense decoder of a supported family needs.
 
 :class:`ModelConfig` is read from a Hugging Face ``config.json`` (Llama,
-Mistral, Qwen2; SmolLM2 is a Llama) and validated once.  It also owns the
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text; SmolLM2 is a Llama) and
+validated once; :mod:`tpguide.model.hf_config` translates the per-family
+transformers fields.  It also owns the
 head-padding arithmetic that decides which ``tp_size`` values a model
 supports (:func:`pad_heads`, :meth:`ModelConfig.check_tp_size`).
 
@@ -31,10 +33,15 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-#: HF ``architectures`` entries this package runs (they differ only in biases).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-#: RoPE types whose inverse frequencies do not depend on the sequence length.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: HF ``architectures`` entries this package runs (dense, text-only decoders).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+#: RoPE types: fixed inverse frequencies, or ``longrope`` (short/long factors chosen per sequence length).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+#: MLP activations (HF ``hidden_act`` / ``hidden_activation`` names).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+#: Values of HF ``layer_types`` this package implements.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Largest ``tp_size`` listed by :meth:`ModelConfig.valid_tp_sizes`.
 MAX_LISTED_TP_SIZE = 16
 
@@ -49,9 +56,13 @@ _PLAIN_KEYS_BY_TYPE = {"llama": ("attention_bias", "mlp_bias"), "mistral": ("sli
 
 
 def _is_plain_config(raw: Dict[str, Any]) -> bool:
-    """True if ``raw`` (a parsed config.json) can be used as is: every field explicit, default RoPE."""
+    """True if ``raw`` (a parsed config.json) can be used as is: every field explicit, default RoPE, no window."""
     extra = _PLAIN_KEYS_BY_TYPE.get(raw.get("model_type"))
     if extra is None or any(k not in raw for k in _PLAIN_KEYS + extra):
+        return False
+    if raw.get("use_sliding_window") or (raw["model_type"] == "mistral" and raw["sliding_window"] is not None):
+        return False
+    if "layer_types" in raw:
         return False
     rope = raw["rope_parameters"] or {}
     return rope.get("rope_type") == "default" and "rope_theta" in rope and not raw.get("rope_scaling")
@@ -97,9 +108,28 @@ class ModelConfig:
     mlp_bias : bool
         gate/up/down projections carry a bias (Llama ``mlp_bias``).
     hidden_act : str
-        Only ``"silu"``.
+        One of :data:`SUPPORTED_ACTIVATIONS` (the gate of the gated MLP).
     rope_parameters : dict
-        HF ``rope_parameters`` (``rope_type``, ``rope_theta``, scaling keys).
+        HF ``rope_parameters`` (``rope_type``, ``rope_theta``, scaling keys,
+        ``partial_rotary_factor``); for Gemma 3 one such dict per layer type
+        (``{"full_attention": {...}, "sliding_attention": {...}}``).
+    layer_types : tuple of str
+        Per layer, ``"full_attention"`` or ``"sliding_attention"``; empty means
+        all full.
+    sliding_window : int or None
+        Tokens a sliding layer's query sees, itself included (key ``j`` is
+        visible from query ``i`` iff ``i - sliding_window < j <= i``, as
+        transformers' ``sliding_window_overlay``).
+    qk_norm : bool
+        Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    attention_scale : float or None
+        Softmax scale; ``None`` means ``head_dim ** -0.5`` (Gemma:
+        ``query_pre_attn_scalar ** -0.5``).
+    attn_logit_softcapping, final_logit_softcapping : float or None
+        ``cap * tanh(x / cap)`` on attention scores / on the LM head's logits
+        (Gemma 2).
+    embed_scale : float
+        Multiplies the embedding output (Gemma: ``sqrt(hidden_size)``).
     eos_token_ids : tuple of int
         Stop ids from ``config.json`` and ``generation_config.json``.
     hf_config : transformers.PretrainedConfig or None
@@ -128,14 +158,21 @@ class ModelConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope_parameters: Dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    layer_types: Tuple[str, ...] = ()
+    sliding_window: Optional[int] = None
+    qk_norm: bool = False
+    attention_scale: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    embed_scale: float = 1.0
     eos_token_ids: Tuple[int, ...] = ()
     hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture must be one of {SUPPORTED_ARCHITECTURES}, got {self.architecture!r}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {self.hidden_act!r}")
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "org_vocab_size"):
             if getattr(self, name) < 1:
@@ -145,68 +182,38 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        rope_type = self.rope_parameters.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
-        if rope_type != "default" and self.hf_config is None:
-            raise ValueError(f"rope_type={rope_type!r} needs hf_config (the transformers config object)")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - set(SUPPORTED_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported; supported: {SUPPORTED_LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < 1:
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        for layer_type in sorted(set(self.layer_types) or {"full_attention"}):
+            rope_type = self.rope_params(layer_type).get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+            if rope_type != "default" and self.hf_config is None:
+                raise ValueError(f"rope_type={rope_type!r} needs hf_config (the transformers config object)")
 
     # ------------------------------------------------------------------ build
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Optional[Any] = None) -> "ModelConfig":
         """Build from a ``transformers`` config (and optional generation config).
 
+        See :func:`tpguide.model.hf_config.model_config_kwargs` for the
+        per-family translation.
+
         Raises
         ------
         ValueError
-            Unsupported architecture or features (sliding-window attention).
+            An unsupported architecture (MoE, unknown family) or feature; one
+            line naming it and listing what is supported.
         """
-        archs = getattr(hf_config, "architectures", None) or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(hf_config.model_type, hf_config.model_type)
-        if arch == "Qwen2ForCausalLM":
-            if getattr(hf_config, "use_sliding_window", False):
-                raise ValueError("Qwen2 use_sliding_window=True is not supported")
-            qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
-            if getattr(hf_config, "sliding_window", None) is not None:
-                raise ValueError(
-                    f"Mistral sliding_window={hf_config.sliding_window} is not supported (only None)"
-                )
-            qkv_bias = o_bias = False
-        else:
-            qkv_bias = o_bias = bool(getattr(hf_config, "attention_bias", False))
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        eos: list = []
-        for src in (hf_config, generation_config):
-            value = getattr(src, "eos_token_id", None) if src is not None else None
-            for tok in ([value] if isinstance(value, int) else (value or [])):
-                if tok not in eos:
-                    eos.append(int(tok))
-        num_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        return cls(
-            architecture=arch,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=num_kv,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            max_position_embeddings=hf_config.max_position_embeddings,
-            org_vocab_size=hf_config.vocab_size,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            hidden_act=getattr(hf_config, "hidden_act", "silu"),
-            rope_parameters=rope,
-            eos_token_ids=tuple(eos),
-            hf_config=hf_config,
-        )
+        from tpguide.model.hf_config import model_config_kwargs
+
+        return cls(**model_config_kwargs(hf_config, generation_config))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -242,6 +249,29 @@ class ModelConfig:
         """Query heads per KV head."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    def layer_type(self, layer_idx: int) -> str:
+        """``"full_attention"`` or ``"sliding_attention"`` of layer ``layer_idx``."""
+        return self.layer_types[layer_idx] if self.layer_types else "full_attention"
+
+    def layer_sliding_window(self, layer_idx: int) -> Optional[int]:
+        """The window (tokens) of layer ``layer_idx``, or None for full attention."""
+        return self.sliding_window if self.layer_type(layer_idx) == "sliding_attention" else None
+
+    def rope_params(self, layer_type: str = "full_attention") -> Dict[str, Any]:
+        """The RoPE parameters of ``layer_type`` (the one dict unless they differ per layer type)."""
+        if layer_type in self.rope_parameters and isinstance(self.rope_parameters[layer_type], dict):
+            return self.rope_parameters[layer_type]
+        return self.rope_parameters
+
+    @property
+    def per_layer_type_rope(self) -> bool:
+        """True if ``rope_parameters`` holds one dict per layer type (Gemma 3)."""
+        return any(isinstance(v, dict) for v in self.rope_parameters.values())
+
+    def rotary_dim(self, layer_type: str = "full_attention") -> int:
+        """Rotated elements of each head: ``int(head_dim * partial_rotary_factor)``."""
+        return int(self.head_dim * float(self.rope_params(layer_type).get("partial_rotary_factor", 1.0)))
+
     def padded_heads(self, tp_size: int) -> Tuple[int, int]:
         """``(num_heads_padded, num_kv_heads_padded)`` at ``tp_size``; see :func:`pad_heads`."""
         return pad_heads(self.num_attention_heads, self.num_key_value_heads, tp_size)
@@ -270,28 +300,41 @@ class ModelConfig:
                 f"{self.valid_tp_sizes()}"
             )
 
-    def rope_inv_freq(self, device: Optional[torch.device] = None) -> Tuple[torch.Tensor, float]:
+    def rope_inv_freq(self, device: Optional[torch.device] = None, layer_type: str = "full_attention",
+                      seq_len: Optional[int] = None) -> Tuple[torch.Tensor, float]:
         """RoPE inverse frequencies and the cos/sin scale, exactly as transformers computes them.
+
+        Parameters
+        ----------
+        layer_type : str
+            Selects the parameters where they differ per layer type (Gemma 3).
+        seq_len : int, optional
+            Sequence length (tokens); ``longrope`` returns its long factors
+            when it exceeds ``original_max_position_embeddings``.
 
         Returns
         -------
         inv_freq : torch.Tensor
-            fp32 ``[head_dim // 2]`` (radians per position).
+            fp32 ``[rotary_dim // 2]`` (radians per position).
         attention_scaling : float
-            Multiplies cos and sin (1.0 except for yarn).
+            Multiplies cos and sin (1.0 except for yarn and longrope).
 
         Uses ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` for the
-        scaled types (linear, llama3, yarn); the default type follows
-        ``LlamaRotaryEmbedding.compute_default_rope_parameters``.
+        scaled types; the default type follows
+        ``LlamaRotaryEmbedding.compute_default_rope_parameters`` (with
+        Phi-3's ``partial_rotary_factor``).
         """
-        rope_type = self.rope_parameters.get("rope_type", "default")
+        params = self.rope_params(layer_type)
+        rope_type = params.get("rope_type", "default")
         if rope_type == "default":
-            base = float(self.rope_parameters["rope_theta"])
-            dim = self.head_dim
+            base = float(params["rope_theta"])
+            dim = self.rotary_dim(layer_type)
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
             return inv_freq, 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, device)
+        kwargs: Dict[str, Any] = {"layer_type": layer_type} if self.per_layer_type_rope else {}
+        if seq_len is not None:
+            kwargs["seq_len"] = seq_len
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, device, **kwargs)
         return inv_freq.float(), float(scaling)
-

@@ -77,10 +77,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, require_chat_template: bool = True) -> None:
     """Dequantize ``gguf_path`` to an fp32 safetensors HF directory ``out_dir`` (about a minute).
 
-    Checks that the saved tokenizer loads and kept its chat template.
+    Checks that the saved tokenizer loads and (if ``require_chat_template``)
+    kept its chat template.
 
     Raises
     ------
@@ -99,16 +100,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
     reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
-    if not reloaded.chat_template:
+    if require_chat_template and not reloaded.chat_template:
         raise RuntimeError(f"converted tokenizer in {out_dir} has no chat template")
     marker = {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size, "dtype": "float32"}
     (out_dir / MARKER_FILENAME).write_text(json.dumps(marker, indent=1))
 
 
-def _ensure_converted(model_dir: Path) -> Path:
+def _ensure_converted(model_dir: Path, gguf: Optional[Path] = None) -> Path:
     if is_converted(model_dir):
         return model_dir
-    gguf = find_default_gguf()
+    require_chat_template = gguf is None  # the embedded model must keep its template; a user's GGUF may lack one
+    gguf = gguf or find_default_gguf()
     with _file_lock(model_dir.parent / (model_dir.name + ".lock")):
         if is_converted(model_dir):  # another process finished while we waited
             return model_dir
@@ -121,7 +123,7 @@ def _ensure_converted(model_dir: Path) -> Path:
             model_dir.rmdir()
         tmp = Path(tempfile.mkdtemp(prefix=model_dir.name + ".tmp-", dir=model_dir.parent))
         try:
-            convert_gguf(gguf, tmp)
+            convert_gguf(gguf, tmp, require_chat_template)
             for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; share the cache like ~/.cache files
                 path.chmod(0o755 if path.is_dir() else 0o644)
             os.rename(tmp, model_dir)
@@ -155,18 +157,26 @@ def default_model_dir(group: Optional[TPGroup] = None, cache_dir: Optional[str |
         On a non-driver rank, if the driver's conversion failed.
     """
     model_dir = Path(cache_dir) if cache_dir is not None else default_cache_root() / MODEL_DIRNAME
-    model_dir = model_dir.expanduser().absolute()
+    return converted_on_driver(model_dir.expanduser().absolute(), None, group, "the default model")
+
+
+def converted_on_driver(model_dir: Path, gguf: Optional[Path], group: Optional[TPGroup], what: str) -> Path:
+    """``model_dir`` once ``gguf`` (default: the embedded GGUF) is converted into it; a collective with a group.
+
+    With ``tp_size > 1`` the driver converts while the other ranks wait; a
+    driver failure is raised on every rank (``RuntimeError`` naming ``what``).
+    """
     if group is None or group.tp_size == 1:
-        return _ensure_converted(model_dir)
+        return _ensure_converted(model_dir, gguf)
     error = None
     if group.is_driver:
         try:
-            _ensure_converted(model_dir)
+            _ensure_converted(model_dir, gguf)
         except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
             error = f"{type(exc).__name__}: {exc}"
             collectives.broadcast_object(error, group)
             raise
     error = collectives.broadcast_object(error, group)  # also the barrier: waits for the driver
     if error is not None:
-        raise RuntimeError(f"the driver failed to convert the default model: {error}")
-    return _ensure_converted(model_dir)  # a no-op check; converts under the lock if the driver's disk differs
+        raise RuntimeError(f"the driver failed to convert {what}: {error}")
+    return _ensure_converted(model_dir, gguf)  # a no-op check; converts under the lock if the driver's disk differs

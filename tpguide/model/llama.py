@@ -1,4 +1,4 @@
-"""Tensor-parallel Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2).
+"""Tensor-parallel Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2; the base of Qwen3 and Phi-3).
 
 Per layer, Megatron-style, two ``all_reduce`` calls (in the row-parallel
 ``o_proj`` and ``down_proj``)::
@@ -9,11 +9,18 @@ Per layer, Megatron-style, two ``all_reduce`` calls (in the row-parallel
 Module names follow the Hugging Face checkpoint (``model.layers.N.self_attn``,
 ``mlp``, ``model.norm``, ``lm_head``) except the packed ``qkv_proj`` and
 ``gate_up_proj`` (see :mod:`tpguide.model.loader` for the mapping).
+
+The other families subclass these modules and swap parts through class
+attributes (``LlamaModel.decoder_layer_cls``, ``LlamaForCausalLM.model_cls``,
+``LlamaDecoderLayer.attention_cls``, ``norm_cls``) and the
+:meth:`LlamaAttention.qk_norm` hook; see :mod:`tpguide.model.qwen3`,
+:mod:`tpguide.model.phi3`, :mod:`tpguide.model.gemma2`, :mod:`tpguide.model.gemma3`.
+Sliding-window layers come from ``config.layer_types``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,83 +29,61 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
+from tpguide.model.norm import RMSNorm
 from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpguide.model.rotary import RotaryEmbedding
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.model.weight_slice import default_weight_loader
 
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 as transformers' ``LlamaRMSNorm``."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden] -> [T, hidden]``."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021, "RoFormer"), rotate-half layout as in HF Llama."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq, self.attention_scaling = config.rope_inv_freq()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] fp32
-        self._cached_positions: Optional[torch.Tensor] = None  # the step's positions tensor
-        self._cached_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
-
-        One instance is shared by every layer (see :class:`LlamaModel`), and
-        cos/sin are computed once per step: the layers of one forward pass the
-        same ``positions`` object.
-        """
-        if positions is not self._cached_positions or self._cached_cos_sin is None:
-            freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-            self._cached_cos_sin = ((emb.cos() * self.attention_scaling)[:, None, :],  # [T, 1, D]
-                                    (emb.sin() * self.attention_scaling)[:, None, :])
-            self._cached_positions = positions
-        cos, sin = (t.to(q.dtype) for t in self._cached_cos_sin)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+__all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "RMSNorm",
+           "RotaryEmbedding"]
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention of this rank's (padded) heads."""
+    """Self-attention of this rank's (padded) heads.
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    Parameters
+    ----------
+    config : ModelConfig
+    group : TPGroup
+    dtype : torch.dtype
+    layer_idx : int
+        Selects the layer type (full or sliding window) from ``config.layer_types``.
+    """
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         d = config.head_dim
+        self.layer_type = config.layer_type(layer_idx)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, group, config.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.qkv_proj.num_heads_padded * d, config.hidden_size, group,
                                         bias=config.o_proj_bias, reduce_results=True,
                                         org_input_size=config.num_attention_heads * d, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
+        self.rotary_emb = RotaryEmbedding(config, self.layer_type)
+        scale = config.attention_scale if config.attention_scale is not None else d ** -0.5
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, scale,
+                              sliding_window=config.layer_sliding_window(layer_idx),
+                              logit_softcap=config.attn_logit_softcapping)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE (identity here; per-head norms in Qwen3 and Gemma 3)."""
+        return q, k
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # q: [T, Hl, D], k/v: [T, Kl, D]
+        q, k = self.qk_norm(q, k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, Hl*D] -> [T, hidden]
 
 
+#: The gate activation of the gated MLP, by HF ``hidden_act`` name.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
-    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``; SiLU (Llama) or tanh-GELU (Gemma's GeGLU)."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -106,21 +91,25 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], group, config.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(i, config.hidden_size, group, bias=config.mlp_bias,
                                            reduce_results=True, dtype=dtype)
+        self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/T] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    attention_cls = LlamaAttention
+    norm_cls = RMSNorm
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, group, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self.attention_cls(config, group, dtype, layer_idx)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, group, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -131,14 +120,19 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
+    decoder_layer_cls = LlamaDecoderLayer
+    embedding_cls = VocabParallelEmbedding
+
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.org_vocab_size, config.hidden_size, group, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, group, dtype) for _ in range(config.num_hidden_layers))
-        shared_rope = self.layers[0].self_attn.rotary_emb
-        for layer in self.layers:  # one RoPE table for all layers: cos/sin once per step
-            layer.self_attn.rotary_emb = shared_rope
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embed_tokens = self.embedding_cls(config.org_vocab_size, config.hidden_size, group, dtype)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, group, dtype, i)
+                                    for i in range(config.num_hidden_layers))
+        shared_rope: Dict[str, nn.Module] = {}
+        for layer in self.layers:  # one RoPE table per layer type: cos/sin once per step
+            attn = layer.self_attn
+            attn.rotary_emb = shared_rope.setdefault(attn.layer_type, attn.rotary_emb)
+        self.norm = self.decoder_layer_cls.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
@@ -148,7 +142,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One rank's shard of a Llama-family causal LM.
+    """One rank's shard of a Llama-family causal LM (the base of every supported family).
 
     Parameters
     ----------
@@ -173,15 +167,18 @@ class LlamaForCausalLM(nn.Module):
     Weights are zero (norms one) until loaded (:func:`tpguide.model.loader.load_model`).
     """
 
+    model_cls = LlamaModel
+
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype = torch.float32,
                  tokenizer_vocab_size: Optional[int] = None) -> None:
         super().__init__()
         config.check_tp_size(group.tp_size)
         self.config, self.group, self.dtype = config, group, dtype
         with torch.device(group.device):
-            self.model = LlamaModel(config, group, dtype)
+            self.model = self.model_cls(config, group, dtype)
             self.lm_head = ParallelLMHead(config.org_vocab_size, config.hidden_size, group, dtype,
-                                          tokenizer_vocab_size=tokenizer_vocab_size)
+                                          tokenizer_vocab_size=tokenizer_vocab_size,
+                                          logit_softcap=config.final_logit_softcapping)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.vocab_shard: VocabShard = self.lm_head.vocab_shard
@@ -194,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
     def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
         """Allocate zeroed per-layer caches ``[num_slots, max_model_len, num_local_kv_heads, head_dim]``.
 
-        Model dtype, on ``group.device``; replaces any previous cache.
+        Model dtype, on ``group.device``; replaces any previous cache.  Also
+        fixes longrope's factor set for this cache length (see :mod:`tpguide.model.rotary`).
 
         Raises
         ------
@@ -207,6 +205,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"max_model_len={max_model_len} > max_position_embeddings={self.config.max_position_embeddings}"
             )
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_max_model_len(max_model_len)  # longrope picks its factors per cache length
         shape = (num_slots, max_model_len, self.num_local_kv_heads, self.config.head_dim)
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)

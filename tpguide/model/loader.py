@@ -1,14 +1,20 @@
 """Load a local Hugging Face directory into one rank's model shard.
 
-Each checkpoint tensor is opened lazily with
-``safetensors.safe_open(...).get_slice(name)`` and handed to the target
-parameter's ``weight_loader``, which reads only this rank's rows or columns.
-HF names map onto the TP modules like this (``N`` = layer)::
+Each checkpoint tensor is opened lazily (:mod:`tpguide.model.safetensors_reader`:
+plain reads, no memory map; a sharded checkpoint's files are those its
+``model.safetensors.index.json`` names) and handed to the target parameter's
+``weight_loader``, which reads only this rank's rows or columns, at the
+checkpoint's dtype, straight into the parameter (bf16 into bf16: no fp32
+copy).  HF names map onto the TP modules like this (``N`` = layer)::
 
     model.layers.N.self_attn.{q,k,v}_proj.*  ->  model.layers.N.self_attn.qkv_proj.*   shard "q"/"k"/"v"
     model.layers.N.mlp.{gate,up}_proj.*      ->  model.layers.N.mlp.gate_up_proj.*     shard 0 / 1
+    model.layers.N.self_attn.qkv_proj.*      ->  (Phi-3, fused) row views "q", "k", "v" of the same
+    model.layers.N.mlp.gate_up_proj.*        ->  (Phi-3, fused) row views 0, 1 of the same
     everything else                          ->  the parameter of the same name
     lm_head.weight                           ->  skipped when tie_word_embeddings
+
+The architecture picks the model class (:data:`MODEL_CLASSES`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,21 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.model.config import ModelConfig
+from tpguide.model.gemma2 import Gemma2ForCausalLM
+from tpguide.model.gemma3 import Gemma3ForCausalLM
 from tpguide.model.llama import LlamaForCausalLM
+from tpguide.model.phi3 import Phi3ForCausalLM, fused_parts
+from tpguide.model.qwen3 import Qwen3ForCausalLM
+from tpguide.model.safetensors_reader import checkpoint_files, iter_checkpoint
+from tpguide.model.weight_slice import RowView, loaded_shape
+
+#: HF architecture -> this package's model class.
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
 
 #: ``(HF substring, TP substring, shard_id)`` for packed parameters.
 PACKED_MODULES = (
@@ -48,8 +68,16 @@ def expected_checkpoint_names(config: ModelConfig) -> set[str]:
     if not config.tie_word_embeddings:
         names.add("lm_head.weight")
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if config.architecture == "Phi3ForCausalLM":
+        per_layer += ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                      "mlp.down_proj.weight"]
+    else:
+        per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     if config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if config.o_proj_bias:
@@ -62,7 +90,7 @@ def expected_checkpoint_names(config: ModelConfig) -> set[str]:
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Fill ``model``'s parameters from ``model_dir/*.safetensors``, this rank's slices only.
+    """Fill ``model``'s parameters from the checkpoint in ``model_dir``, this rank's slices only.
 
     Raises
     ------
@@ -70,30 +98,30 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         No safetensors files; a tensor whose shape does not match the config
         (names the tensor and both shapes); missing or unexpected tensors.
     """
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in model directory {str(model_dir)!r}")
     params: Dict[str, torch.nn.Parameter] = dict(model.named_parameters())
-    expected = expected_checkpoint_names(model.config)
+    config = model.config
+    expected = expected_checkpoint_names(config)
     seen: set[str] = set()
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # some tied checkpoints store the shared matrix twice
-                param_name, shard_id = map_checkpoint_name(name)
-                if name not in expected or param_name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {path.name} for this model config")
-                param = params[param_name]
-                try:
-                    param.weight_loader(param, f.get_slice(name), shard_id)
-                except ValueError as exc:
-                    raise ValueError(f"tensor {name!r} in {path.name}: {exc}") from exc
-                seen.add(name)
+    for file_name, name, loaded in iter_checkpoint(model_dir):
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints store the shared matrix twice
+        parts = fused_parts(name, config) if config.architecture == "Phi3ForCausalLM" else []
+        targets = ([(name, shard_id, RowView(loaded, start, rows)) for shard_id, start, rows in parts]
+                   if parts else [(*map_checkpoint_name(name), loaded)])
+        for param_name, shard_id, part in targets:
+            if name not in expected or param_name not in params:
+                raise ValueError(f"unexpected tensor {name!r} in {file_name} for this model config")
+            param = params[param_name]
+            try:
+                if parts and loaded_shape(loaded)[0] != sum(rows for _, _, rows in parts):
+                    raise ValueError(f"fused checkpoint tensor has shape {list(loaded_shape(loaded))}, the config "
+                                     f"expects {sum(rows for _, _, rows in parts)} rows")
+                param.weight_loader(param, part, shard_id)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r} in {file_name}: {exc}") from exc
+        seen.add(name)
     missing = sorted(expected - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -102,7 +130,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
 
 def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32,
                tokenizer_vocab_size: Optional[int] = None) -> LlamaForCausalLM:
-    """Build this rank's :class:`LlamaForCausalLM` from a local HF directory and load its weights.
+    """Build this rank's model (the class of its architecture) from a local HF directory and load its weights.
 
     Parameters
     ----------
@@ -111,7 +139,9 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
     group : TPGroup
         This rank's group; each rank reads only its slices.
     dtype : torch.dtype
-        Parameter dtype (checkpoint tensors are cast).
+        Parameter dtype (checkpoint tensors are cast slice by slice; at the
+        checkpoint's own dtype nothing is converted,
+        see :func:`tpguide.model.safetensors_reader.checkpoint_dtype`).
     tokenizer_vocab_size : int, optional
         Ids at or above it get ``-inf`` logits.
 
@@ -124,9 +154,8 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
-    if not any(model_dir.glob("*.safetensors")):
-        raise ValueError(f"no *.safetensors files in model directory {str(model_dir)!r}")
+    checkpoint_files(model_dir)  # raises if there are none
     config = ModelConfig.from_pretrained(model_dir)
-    model = LlamaForCausalLM(config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size)
+    model = MODEL_CLASSES[config.architecture](config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size)
     load_weights(model, model_dir)
     return model.eval()

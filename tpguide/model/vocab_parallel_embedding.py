@@ -80,6 +80,21 @@ class VocabParallelEmbedding(nn.Module):
         return collectives.all_reduce(self.local_embedding(input_ids), self.group)  # the one communication point
 
 
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """Embedding times a constant ``embed_scale`` (Gemma: ``sqrt(hidden_size)``).
+
+    As transformers' ``Gemma2TextScaledWordEmbedding``: the scale is cast to
+    the weight dtype first.  Set ``embed_scale`` after construction.
+    """
+
+    embed_scale: float = 1.0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` int64 ``[T]`` -> ``[T, embedding_dim]``, replicated."""
+        scale = torch.tensor(self.embed_scale, dtype=torch.float32).to(self.weight.dtype)
+        return super().forward(input_ids) * scale
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharded along the vocabulary; returns logits shards.
 
@@ -89,6 +104,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         As for :class:`VocabParallelEmbedding`.
     tokenizer_vocab_size : int, optional
         Ids ``>= tokenizer_vocab_size`` are masked to ``-inf`` as well.
+    logit_softcap : float, optional
+        Final-logit soft-cap (Gemma 2): ``cap * tanh(logits / cap)``,
+        elementwise, so each rank caps its own shard (before the bitmask and
+        the ``-inf`` of padded ids); sampling stays identical at every tp size.
 
     Attributes
     ----------
@@ -100,8 +119,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def __init__(self, org_vocab_size: int, embedding_dim: int, group: TPGroup,
-                 dtype: torch.dtype = torch.float32, tokenizer_vocab_size: Optional[int] = None) -> None:
+                 dtype: torch.dtype = torch.float32, tokenizer_vocab_size: Optional[int] = None,
+                 logit_softcap: Optional[float] = None) -> None:
         super().__init__(org_vocab_size, embedding_dim, group, dtype)
+        self.logit_softcap = logit_softcap
         if tokenizer_vocab_size is not None and tokenizer_vocab_size < 1:
             raise ValueError(f"tokenizer_vocab_size must be >= 1, got {tokenizer_vocab_size}")
         self.valid_vocab_size = min(org_vocab_size, tokenizer_vocab_size or org_vocab_size)
@@ -130,6 +151,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             are ``-inf``.  A new tensor.
         """
         logits = F.linear(hidden_states, self.weight).float()  # [R, V/T]
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         if self.num_valid_per_partition < logits.size(1):
             logits[:, self.num_valid_per_partition:] = float("-inf")
         return logits
