@@ -14,7 +14,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig
 from tpguide.engine.offline import generate_on_group
-from tpguide.engine.request_io import request_from_dict
+from tpguide.engine.request_io import parse_request
 
 QWEN3_STYLE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -63,6 +63,6 @@ def test_template_refusing_the_system_role_fails_that_request_only(tiny_model_pa
 
 def test_chat_template_kwargs_validation():
     with pytest.raises(ValueError, match="'chat_template_kwargs' needs 'messages'"):
-        request_from_dict({"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, 0, 4)
+        parse_request({"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, 0, 4)
     with pytest.raises(ValueError, match="must be an object with string keys"):
-        request_from_dict({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, 0, 4)
+        parse_request({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, 0, 4)
