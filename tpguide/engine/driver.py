@@ -119,17 +119,19 @@ class Driver:
     # ------------------------------------------------------------ step boundary
     def take_finished_outside_steps(self) -> List[RequestOutput]:
         """Apply pending aborts; final outputs of requests that finished outside a step."""
-        aborts, self._aborts = self._aborts, []
-        for request_id in aborts:
-            for req in list(self.scheduler.waiting) + list(self.scheduler.running.values()):
-                if req.request_id == request_id and not req.is_finished:
-                    req.finish("abort")
-                    if req in self.scheduler.waiting:
-                        self.scheduler.waiting.remove(req)
-                        self._unreported.append(req)
-                    else:
-                        self._release(req)
-                        self._unreported.append(req)
+        aborts, self._aborts = set(self._aborts), []
+        if aborts:
+            waiting = self.scheduler.waiting
+            for req in [r for r in waiting if r.request_id in aborts]:
+                req.finish("abort")
+                self._unreported.append(req)
+            kept = [r for r in waiting if not r.is_finished]
+            waiting.clear()
+            waiting.extend(kept)
+            for req in [r for r in self.scheduler.running.values() if r.request_id in aborts and not r.is_finished]:
+                req.finish("abort")
+                self._release(req)  # slot, bitmask row and matcher; the KV slot is overwritten by its next user
+                self._unreported.append(req)
         outputs = [self.output_of(req) for req in self._unreported]
         self._unreported.clear()
         return outputs
