@@ -1,0 +1,104 @@
+"""Answer objects: choices, logprobs, usage, in OpenAI's formats.
+
+``outputs`` are the engine's final :class:`~tpguide.engine.RequestOutput` of
+each choice; logprob entries are the engine's
+``{"token_id", "logprob", "top": [[token_id, logprob], ...]}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from tpguide.serving.errors import APIError
+from tpguide.serving.protocol import ParsedRequest
+from tpguide.serving.tool_calls import ToolPlan, new_call_id, parse_tool_output
+
+
+class TokenText:
+    """Token id -> its text and UTF-8 bytes (cached), for logprobs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: Dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs(entries: Sequence[Dict[str, Any]], top: int, token_text: TokenText) -> Dict[str, Any]:
+    """``choices[i].logprobs`` of a chat answer: ``{"content": [...], "refusal": None}``."""
+    def item(token_id: int, logprob: float) -> Dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**item(e["token_id"], e["logprob"]),
+                "top_logprobs": [item(i, lp) for i, lp in e["top"][:top]]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[Dict[str, Any]], top: int, token_text: TokenText,
+                        text_offset: int = 0) -> Dict[str, Any]:
+    """``choices[i].logprobs`` of a completion: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets, pos = [], [], text_offset
+    for e in entries:
+        tokens.append(token_text(e["token_id"]))
+        offsets.append(pos)
+        pos += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{token_text(i): lp for i, lp in e["top"][:top]} for e in entries],
+            "text_offset": offsets}
+
+
+def raise_if_failed(outputs: Sequence[Any]) -> None:
+    """An errored choice fails the whole answer: 400 before any token (bad input), else 500."""
+    for out in outputs:
+        if out.finish_reason == "error":
+            if not out.token_ids:
+                raise APIError(400, out.error or "request failed", "invalid_request_error")
+            raise APIError(500, f"generation failed: {out.error}", "server_error")
+
+
+def usage(outputs: Sequence[Any], n: int) -> Dict[str, int]:
+    """Prompt tokens counted once per prompt (every ``n``-th output), completion tokens of every choice."""
+    prompt = sum(o.num_prompt_tokens for o in outputs[::n])
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def tool_calls_json(calls: Sequence[tuple]) -> List[Dict[str, Any]]:
+    return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+            for name, args in calls]
+
+
+def chat_message(text: str, tools: Optional[ToolPlan], finish_reason: str) -> tuple:
+    """(message, finish_reason) of a chat choice; tool calls are read only from a complete output."""
+    if tools is None or finish_reason != "stop":
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse_tool_output(text, tools)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}, "tool_calls"
+
+
+def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any], token_text: TokenText,
+                 created: Optional[int] = None) -> Dict[str, Any]:
+    """The non-streamed answer (``chat.completion`` or ``text_completion``)."""
+    raise_if_failed(outputs)
+    created = created or int(time.time())
+    choices = []
+    for k, out in enumerate(outputs):
+        if parsed.endpoint == "chat":
+            message, reason = chat_message(out.text, parsed.tools, out.finish_reason)
+            lp = chat_logprobs(out.logprobs or [], parsed.logprobs, token_text) if parsed.logprobs is not None \
+                else None
+            choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": reason})
+        else:
+            lp = completion_logprobs(out.logprobs or [], parsed.logprobs, token_text) \
+                if parsed.logprobs is not None else None
+            choices.append({"index": k, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+    return {"id": request_id, "object": "chat.completion" if parsed.endpoint == "chat" else "text_completion",
+            "created": created, "model": parsed.model, "choices": choices, "usage": usage(outputs, parsed.n)}
