@@ -141,6 +141,11 @@ class GuidedBackend(abc.ABC):
                 self._cache.popitem(last=False)
         return compiled
 
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        """True if ``params`` is compiled in the cache (a :meth:`compile` now would be a hit)."""
+        with self._lock:
+            return (self.name,) + params.cache_key in self._cache
+
     @property
     def num_cached(self) -> int:
         """Compiled guides currently cached."""

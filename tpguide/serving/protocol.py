@@ -22,11 +22,11 @@ from tpguide.serving.tool_calls import ToolCallFormat, ToolPlan, plan_tools, too
 
 #: Fields that do not change what is generated; accepted and not used.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "request_id", "priority"})
+                            "prompt_cache_retention", "prompt_cache_options", "request_id", "priority"})
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "response_format", "ignore_eos", "logprobs"})
+                     "response_format", "ignore_eos", "logprobs", "return_token_ids"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "modalities"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -54,6 +54,8 @@ class ParsedRequest:
     logprobs : int or None
         Top alternatives per token to report; None = no logprobs in the answer.
     tools : ToolPlan or None
+    return_token_ids : bool
+        vLLM's extension: each choice also carries its generated ``token_ids``.
     """
 
     endpoint: str
@@ -64,6 +66,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: Optional[int]
     tools: Optional[ToolPlan]
+    return_token_ids: bool = False
 
 
 def _int_field(body: Dict[str, Any], name: str, lo: int, hi: int) -> Optional[int]:
@@ -233,7 +236,10 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
             if j > 0 and line.get("seed") is not None:
                 line["seed"] = derived_seed(line["seed"], j)
             lines.append(line)
-    return ParsedRequest(endpoint, body["model"], lines, n, stream, include_usage, logprobs, tools)
+    return_ids = body.get("return_token_ids") or False
+    if not isinstance(return_ids, bool):
+        raise bad_request(f"return_token_ids must be true or false, got {return_ids!r}", "return_token_ids")
+    return ParsedRequest(endpoint, body["model"], lines, n, stream, include_usage, logprobs, tools, return_ids)
 
 
 def derived_seed(seed: Any, choice: int) -> Any:

@@ -100,5 +100,7 @@ def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any],
             lp = completion_logprobs(out.logprobs or [], parsed.logprobs, token_text) \
                 if parsed.logprobs is not None else None
             choices.append({"index": k, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+        if parsed.return_token_ids:
+            choices[-1]["token_ids"] = list(out.token_ids)
     return {"id": request_id, "object": "chat.completion" if parsed.endpoint == "chat" else "text_completion",
             "created": created, "model": parsed.model, "choices": choices, "usage": usage(outputs, parsed.n)}

@@ -1,0 +1,110 @@
+"""Run ``launch/serve.py`` as a subprocess on a free loopback port (tests and ``launch/bench_serve.py``).
+
+``ServerProcess`` starts ``python launch/serve.py`` (tp 1) or ``torchrun
+--nproc-per-node N launch/serve.py`` (gloo), waits for ``/health`` and
+always stops the server it started, by its process id: SIGTERM first (the
+graceful path), then SIGKILL to the process group it created.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A tpguide server subprocess.
+
+    Parameters
+    ----------
+    tp_size : int
+    args : sequence of str
+        Extra ``serve.py`` flags.
+    startup_timeout_s : float
+        Longest wait for ``/health`` (model loading on a busy machine is slow).
+    """
+
+    def __init__(self, tp_size: int = 1, args: Sequence[str] = (), startup_timeout_s: float = 600.0) -> None:
+        self.tp_size, self.args, self.startup_timeout_s = tp_size, list(args), startup_timeout_s
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tpguide-serve-", suffix=".log", delete=False)
+
+    def command(self) -> List[str]:
+        serve = [os.path.join(ROOT, "launch", "serve.py"), "--port", str(self.port), *self.args]
+        if self.tp_size == 1:
+            return [sys.executable, *serve]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.tp_size),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *serve]
+
+    def start(self) -> "ServerProcess":
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TPGUIDE_BACKEND="gloo", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.wait_healthy()
+        return self
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was healthy:\n"
+                                   f"{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"no healthy server after {self.startup_timeout_s:g} s:\n{self.log_text()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> Optional[int]:
+        """Send ``sig`` to the server's pid, wait; SIGKILL its process group if it is still there."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group this object created (ranks, if any left)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
