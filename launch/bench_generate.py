@@ -103,10 +103,10 @@ class GuidanceTimer:
 
     def __init__(self) -> None:
         from tpguide.engine.driver import Driver
-        from tpguide.engine.engine import Engine
         from tpguide.guided.decoder import GuidedDecoder
+        from tpguide.worker.runner import StepRunner
 
-        self.targets = [(Driver, "fill_bitmask", "overlapped"), (Engine, "_apply_bitmask", "critical"),
+        self.targets = [(Driver, "fill_bitmask", "overlapped"), (StepRunner, "_apply_bitmask", "critical"),
                         (GuidedDecoder, "accept_token", "critical")]
         self.seconds = {"critical": 0.0, "overlapped": 0.0}
 

@@ -35,7 +35,7 @@ from tpguide.engine.offline import build_engine  # noqa: E402
 def run_once(engine, max_tokens: int):
     """(token ids per request, wall seconds, engine steps) of one demo run."""
     tokens, wall = run_tpguide(engine, DEMO_REQUESTS, max_tokens)
-    return tokens, wall, engine.driver.step
+    return tokens, wall, engine.driver.num_steps
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -36,11 +36,10 @@ import torch  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 from tpguide.dist.group import DEFAULT_TIMEOUT_S  # noqa: E402
-from tpguide.engine.engine import EngineConfig  # noqa: E402
-from tpguide.engine.faults import DriverAborted  # noqa: E402
-from tpguide.engine.offline import build_engine  # noqa: E402
-from tpguide.engine.output_stream import load_finished, open_partial, output_from_json  # noqa: E402
+from tpguide.engine import EngineConfig, RequestOutput, build_engine  # noqa: E402
+from tpguide.engine.output_stream import load_finished, open_partial  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
+from tpguide.worker.messages import DriverAborted  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
     fresh = dict(zip((r.index for r in todo), engine.generate(todo, progress=not args.quiet, on_output=partial)))
     wall_s = time.perf_counter() - start
     engine.shutdown()
-    outputs = [fresh[r.index] if r.index in fresh else output_from_json(done[r.request_id]) for r in requests]
+    outputs = [fresh[r.index] if r.index in fresh else RequestOutput.from_json(done[r.request_id], r.index) for r in requests]
     if args.output:
         write_outputs(args.output, outputs)
         partial.close(remove=True)

@@ -7,13 +7,13 @@ import torch
 from transformers import AutoTokenizer
 
 from tpguide.dist import TPGroup
-from tpguide.engine import draft_lens
-from tpguide.engine.draft_head import build_draft_head
-from tpguide.engine.draft_lens import fit_tuned_lens, lens_cache_key, load_or_fit_lens
-from tpguide.engine.draft_lens_calibration import calibration_text, calibration_token_ids, parse_documents
 from tpguide.engine.engine import EngineConfig
 from tpguide.engine.offline import build_engine
 from tpguide.model.loader import load_model
+from tpguide.speculative import draft_lens
+from tpguide.speculative.draft_head import build_draft_head
+from tpguide.speculative.draft_lens import fit_tuned_lens, lens_cache_key, load_or_fit_lens
+from tpguide.speculative.draft_lens_calibration import calibration_text, calibration_token_ids, parse_documents
 
 
 def test_fit_recovers_a_known_affine_map():

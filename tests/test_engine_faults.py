@@ -7,11 +7,11 @@ import pytest
 
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig
-from tpguide.engine.faults import describe_bad_rows, nonfinite_ranks
 from tpguide.engine.offline import build_engine, generate_on_group
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.xgrammar_backend import XGrammarMatcher
+from tpguide.worker.faults import describe_bad_rows, nonfinite_ranks
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 DEAD_REGEX = "[a-z]{1,20}"

@@ -40,5 +40,6 @@ def test_ignore_eos_runs_past_a_stop_token(engine):
 
 
 def test_ignore_eos_must_be_a_bool():
-    with pytest.raises(ValueError, match="ignore_eos must be true or false, got 'yes'"):
-        request_from_dict({"id": "a", "prompt": "x", "ignore_eos": "yes"}, 0, 8)
+    req = request_from_dict({"id": "a", "prompt": "x", "ignore_eos": "yes"}, 0, 8)
+    assert (req.request_id, req.finish_reason) == ("a", "error")
+    assert "ignore_eos must be true or false, got 'yes'" in req.error

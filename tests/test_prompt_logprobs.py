@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+from sharding import shard_logits
 
 from tpguide.dist.group import TPGroup
-from tpguide.engine.prompt_logprobs import compute_prompt_logprobs, prompt_logprobs_by_hand
-from tpguide.engine.sampler import SamplingMetadata, sample_by_hand
-from tpguide.engine.testing import shard_logits
 from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.prompt_logprobs import prompt_logprobs_by_hand
+from tpguide.sampling.sampler import SamplingMetadata, sample_by_hand
+from tpguide.worker.group_exchange import compute_prompt_logprobs
 
 NEG_INF = float("-inf")
 

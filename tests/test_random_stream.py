@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from tpguide.engine.random_stream import gumbel_noise, hash32, uniform_noise
+from tpguide.sampling.random_stream import gumbel_noise, hash32, uniform_noise
 
 
 def murmur3_x86_32(data: bytes, seed: int) -> int:

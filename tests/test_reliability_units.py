@@ -5,14 +5,14 @@ import json
 import pytest
 
 from tpguide.dist.fault_inject import parse_fault_spec
-from tpguide.engine.output_stream import PartialWriter, load_finished, output_from_json, partial_path
+from tpguide.engine.output_stream import PartialWriter, load_finished, partial_path
 from tpguide.engine.request import RequestOutput
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import check_schema_has_finite_instance
 
 
 def out(rid, reason="stop"):
-    return RequestOutput(id=rid, text="t", token_ids=[1], finish_reason=reason,
+    return RequestOutput(request_id=rid, text="t", token_ids=[1], finish_reason=reason,
                          error="boom" if reason == "error" else None)
 
 
@@ -27,7 +27,7 @@ def test_partial_lines_survive_and_resume_reads_both_files(tmp_path):
     done = load_finished(str(final))
     assert sorted(done) == ["a", "b", "c"]  # the torn line reruns
     assert sorted(load_finished(str(final), retry_errors=True)) == ["a", "b"]
-    assert output_from_json(done["c"]) == out("c", "error")
+    assert RequestOutput.from_json(done["c"]) == out("c", "error")
     writer.close(remove=True)
     assert not (tmp_path / "out.jsonl.partial").exists()
 

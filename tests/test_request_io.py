@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from tpguide.engine.output_stream import load_finished
 from tpguide.engine.request import RequestOutput
-from tpguide.engine.request_io import load_outputs, parse_request_lines, write_outputs
+from tpguide.engine.request_io import parse_request_lines, write_outputs
 from tpguide.engine.sampling_params import SamplingParams
 
 
@@ -43,10 +44,10 @@ def test_bad_lines_fail_alone(line, needle):
 
 def test_outputs_are_written_atomically_in_order(tmp_path):
     path = tmp_path / "out.jsonl"
-    outs = [RequestOutput(id=str(i), text=f"t{i}", token_ids=[i], finish_reason="stop", error=None)
+    outs = [RequestOutput(request_id=str(i), text=f"t{i}", token_ids=[i], finish_reason="stop", error=None)
             for i in range(3)]
     write_outputs(str(path), outs)
     lines = path.read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["0", "1", "2"]
-    assert list(load_outputs(str(path))) == ["0", "1", "2"]
+    assert list(load_finished(str(path))) == ["0", "1", "2"]
     assert not list(tmp_path.glob("*.tmp"))

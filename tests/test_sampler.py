@@ -4,14 +4,15 @@ import math
 
 import pytest
 import torch
+from sharding import shard_logits
 
 from tpguide.dist.group import TPGroup
-from tpguide.engine import sampler as S
-from tpguide.engine import sampler_candidates
-from tpguide.engine.random_stream import gumbel_noise
-from tpguide.engine.sampler import SamplingMetadata, local_candidates, merge_candidates, sample, sample_by_hand
-from tpguide.engine.testing import shard_logits
 from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling import candidates as sampler_candidates
+from tpguide.sampling import sampler as S
+from tpguide.sampling.random_stream import gumbel_noise
+from tpguide.sampling.sampler import SamplingMetadata, local_candidates, merge_candidates, sample_by_hand
+from tpguide.worker.group_exchange import sample
 
 NEG_INF = float("-inf")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpguide.engine.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
+from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
 
 
 def prefill(q, nc, prompt_len, logprobs=False, exclude=False):

@@ -3,8 +3,8 @@
 import pytest
 
 from tpguide.engine.engine import EngineConfig
-from tpguide.engine.ngram_proposer import NgramProposer
 from tpguide.guided.spec_counters import SlotCounters, SpecAccountingError, num_accepted_drafts
+from tpguide.speculative.ngram import NgramProposer
 
 
 def _window(num_drafts_advanced: int, terminated: bool = False) -> SlotCounters:
@@ -95,7 +95,7 @@ def test_engine_config_accepts_both_methods(method):
 def test_draft_head_speculator_reserves_placeholders():
     from tpguide.engine.request import Request
     from tpguide.engine.sampling_params import SamplingParams
-    from tpguide.engine.speculative import DRAFT_PENDING, Speculator
+    from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 
     spec = Speculator("draft-head", 3, max_model_len=64)
     req = Request("r", 0, SamplingParams(max_tokens=10), prompt_token_ids=[1, 2], output_token_ids=[5])

@@ -16,7 +16,11 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.draft_head import (
+from tpguide.guided import unpack_bitmask
+from tpguide.guided.testing import json_prefix_bitmask
+from tpguide.model.attention import AttentionMetadata
+from tpguide.model.loader import load_model
+from tpguide.speculative.draft_head import (
     DraftHead,
     DraftLMHead,
     apply_draft_bitmask_inplace,
@@ -24,10 +28,6 @@ from tpguide.engine.draft_head import (
     draft_greedy,
     select_draft_vocab,
 )
-from tpguide.guided import unpack_bitmask
-from tpguide.guided.testing import json_prefix_bitmask
-from tpguide.model.attention import AttentionMetadata
-from tpguide.model.loader import load_model
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

@@ -11,11 +11,11 @@ from tpguide.cache import cache_root
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine import draft_lens
-from tpguide.engine.draft_head import DraftHead, build_draft_head, draft_greedy
-from tpguide.engine.draft_lens_calibration import collect_residuals
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
+from tpguide.speculative import draft_lens
+from tpguide.speculative.draft_head import DraftHead, build_draft_head, draft_greedy
+from tpguide.speculative.draft_lens_calibration import collect_residuals
 
 PROMPTS = [[1, 2, 3, 40, 41], [7, 8, 9], [500, 600, 700, 800]]
 

@@ -12,12 +12,13 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.sampler import SamplingMetadata, sample
 from tpguide.guided import split_bitmask
 from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
+from tpguide.sampling.metadata import SamplingMetadata
+from tpguide.worker.group_exchange import sample
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

@@ -5,8 +5,9 @@ import torch
 
 from tpguide.dist.group import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.sampler import SamplingMetadata, sample
 from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.metadata import SamplingMetadata
+from tpguide.worker.group_exchange import sample
 
 ORG_VOCAB = 1001
 ROWS = 6

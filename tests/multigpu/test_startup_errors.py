@@ -17,10 +17,10 @@ import pytest
 from tpguide.dist.group import check_same_device_type
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.engine.engine import EngineConfig
-from tpguide.engine.faults import DriverAborted
 from tpguide.engine.offline import build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.random_checkpoint import write_random_checkpoint
+from tpguide.worker.messages import DriverAborted
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
@@ -57,7 +57,7 @@ def startup_then_abort(group, cases, model_dir):
             def fail(*args):
                 raise RuntimeError("injected driver failure")
 
-            engine.driver.process_outputs = fail
+            engine.driver.finish_step = fail
             engine.generate(parse_request_lines(['{"prompt": "hi", "max_tokens": 4}'], 4))
         else:
             engine.run_worker()

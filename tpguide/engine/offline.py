@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.engine.engine import Engine, EngineConfig
+from tpguide.engine.config import EngineConfig
+from tpguide.engine.engine import Engine
 from tpguide.engine.request import RequestOutput
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.config import ModelConfig
@@ -56,7 +57,7 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size)
     draft_head = None
     if config.speculative_method == "draft-head":
-        from tpguide.engine.draft_head import build_draft_head
+        from tpguide.speculative.draft_head import build_draft_head
 
         num_hidden = model.config.num_hidden_layers
         num_layers = config.draft_num_layers or -(-num_hidden // 3)

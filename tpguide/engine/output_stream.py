@@ -91,12 +91,6 @@ def load_finished(output_path: str, retry_errors: bool = False) -> Dict[str, Dic
     return done
 
 
-def output_from_json(obj: Dict[str, Any]) -> RequestOutput:
-    """A :class:`RequestOutput` from one stored line (unknown keys dropped)."""
-    fields = set(RequestOutput.__dataclass_fields__)
-    return RequestOutput(**{k: v for k, v in obj.items() if k in fields})
-
-
 def open_partial(output_path: Optional[str], append: bool = False) -> Optional[PartialWriter]:
     """A :class:`PartialWriter` next to ``output_path``, or None without an output file."""
     return PartialWriter(partial_path(output_path), append) if output_path else None

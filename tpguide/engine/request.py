@@ -13,9 +13,11 @@ from tpguide.engine.sampling_params import SamplingParams
 class Request:
     """One request as the driver tracks it.
 
-    ``prompt_token_ids`` is filled by the engine (chat template + tokenizer)
-    before scheduling.  ``finish_reason`` is ``None`` while the request runs,
-    then ``"stop"``, ``"length"`` or ``"error"`` (with ``error`` set).
+    ``prompt_token_ids`` is filled at admission (chat template + tokenizer,
+    :mod:`tpguide.engine.admission`).  ``finish_reason`` is ``None`` while the
+    request runs, then ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``
+    (with ``error`` set).  ``num_reported_tokens`` counts the output tokens
+    already returned by :meth:`Engine.step` (the next delta starts there).
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    num_reported_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:
@@ -63,6 +66,7 @@ class Request:
             self.finish_time = time.perf_counter()
 
     def finish(self, reason: str) -> None:
+        """Finish with ``reason`` (``"stop"``, ``"length"``, ``"abort"``); the first reason wins."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.finish_time = time.perf_counter()
@@ -70,21 +74,62 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What the driver writes for one request (one JSON line)."""
+    """One request's state as :meth:`Engine.step` reports it (a delta plus the running totals).
 
-    id: str
-    text: str
-    token_ids: List[int]
-    finish_reason: str
-    error: Optional[str]
+    Attributes
+    ----------
+    request_id : str
+    index : int
+        The request's place in its input (output files are written in this order).
+    new_token_ids : list of int
+        Tokens appended in this step.
+    token_ids : list of int
+        Every generated token so far.
+    text : str
+        ``token_ids`` detokenized (special tokens skipped).
+    finish_reason : str or None
+        None while running, then ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
+    error : str or None
+        Why the request failed (``finish_reason == "error"``).
+    num_prompt_tokens : int
+    new_logprobs, logprobs : list of dict or None
+        Per-token logprobs of ``new_token_ids`` / ``token_ids`` (None unless
+        the request asked for ``logprobs``); entries
+        ``{"token_id", "logprob", "top": [[id, logprob], ...]}``.
+    prompt_logprobs : list or None
+        ``[None, {...}, ...]``, one entry per prompt token, once the prompt is
+        done (None unless asked for, or when the request failed).
+    elapsed_s : float
+        Seconds from ``add_request`` to now (or to the finish).
+    """
+
+    request_id: str
+    index: int = 0
+    new_token_ids: List[int] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
     num_prompt_tokens: int = 0
+    new_logprobs: Optional[List[Dict[str, Any]]] = None
     logprobs: Optional[List[Dict[str, Any]]] = None
-    elapsed_s: float = 0.0
     prompt_logprobs: Optional[List[Optional[Dict[str, Any]]]] = None
+    elapsed_s: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def id(self) -> str:
+        """The request id under its output-line key."""
+        return self.request_id
 
     def to_json(self) -> Dict[str, Any]:
+        """The output line: ``{"id", "text", "token_ids", "finish_reason", "error", "num_prompt_tokens"}``
+        (+ ``"logprobs"`` / ``"prompt_logprobs"`` when asked)."""
         out = {
-            "id": self.id,
+            "id": self.request_id,
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
@@ -96,3 +141,11 @@ class RequestOutput:
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs
         return out
+
+    @classmethod
+    def from_json(cls, obj: Dict[str, Any], index: int = 0) -> "RequestOutput":
+        """The output of one stored line (``--resume``); unknown keys are dropped."""
+        return cls(request_id=str(obj["id"]), index=index, token_ids=list(obj.get("token_ids", [])),
+                   text=obj.get("text", ""), finish_reason=obj.get("finish_reason"), error=obj.get("error"),
+                   num_prompt_tokens=obj.get("num_prompt_tokens", 0), logprobs=obj.get("logprobs"),
+                   prompt_logprobs=obj.get("prompt_logprobs"))

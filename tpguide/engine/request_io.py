@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Dict, Iterable, List
+from typing import Any, Iterable, List
 
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.sampling_params import SamplingParams
@@ -33,6 +33,28 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logp
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:
+    """A :class:`Request` from one decoded request line; never raises for bad input.
+
+    A line that does not validate gives a :class:`Request` that is already
+    finished with ``finish_reason="error"`` and the message of
+    :func:`parse_request` (its id is the line's ``id`` when there is one,
+    else ``str(index)``).
+    """
+    try:
+        return parse_request(obj, index, default_max_tokens)
+    except (ValueError, TypeError) as exc:
+        return failed_request(obj, index, str(exc))
+
+
+def failed_request(obj: Any, index: int, message: str) -> Request:
+    """A request that is already finished with ``finish_reason="error"`` and ``message``."""
+    raw_id = str(obj["id"]) if isinstance(obj, dict) and "id" in obj else str(index)
+    bad = Request(request_id=raw_id, index=index, sampling_params=SamplingParams())
+    bad.fail(message)
+    return bad
+
+
+def parse_request(obj: Any, index: int, default_max_tokens: int) -> Request:
     """Build a :class:`Request` from one decoded request line.
 
     Raises
@@ -85,19 +107,15 @@ def parse_request_lines(lines: Iterable[str], default_max_tokens: int) -> List[R
         if not line.strip():
             continue
         index = len(requests)
-        raw_id = str(index)
+        obj = None
         try:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not valid JSON: {exc}") from exc
-            if isinstance(obj, dict) and "id" in obj:
-                raw_id = str(obj["id"])
-            requests.append(request_from_dict(obj, index, default_max_tokens))
+            requests.append(parse_request(obj, index, default_max_tokens))
         except (ValueError, TypeError) as exc:
-            bad = Request(request_id=raw_id, index=index, sampling_params=SamplingParams())
-            bad.fail(f"bad request line {line_no}: {exc}")
-            requests.append(bad)
+            requests.append(failed_request(obj, index, f"bad request line {line_no}: {exc}"))
     return requests
 
 
@@ -124,15 +142,3 @@ def write_outputs(path: str, outputs: Iterable[RequestOutput]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def load_outputs(path: str) -> Dict[str, Dict[str, Any]]:
-    """Outputs already on disk, by request id (for ``--resume``)."""
-    done: Dict[str, Dict[str, Any]] = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    obj = json.loads(line)
-                    done[str(obj["id"])] = obj
-    return done

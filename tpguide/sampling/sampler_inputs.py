@@ -27,7 +27,7 @@ Conventions:
   one (the last prompt token predicts the first generated token, which is the
   sample row's business);
 * ``sample_positions`` is the absolute position of the token a row *produces*
-  (the key of the random stream, :mod:`tpguide.engine.random_stream`), not a
+  (the key of the random stream, :mod:`tpguide.sampling.random_stream`), not a
   row number, so a request replayed at the same position with the same seed
   draws the same token, with or without draft tokens.
 

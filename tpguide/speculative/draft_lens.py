@@ -48,7 +48,7 @@ import torch
 from tpguide.cache import cache_root
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.engine.draft_lens_calibration import calibration_text, calibration_token_ids, collect_residuals
+from tpguide.speculative.draft_lens_calibration import calibration_text, calibration_token_ids, collect_residuals
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def load_or_fit_lens(target, model_dir: str, num_layers: int, tokenizer=None,
     """The draft lens for ``target``'s layer ``num_layers``, from the cache or fitted now (a collective).
 
     On a cache miss every rank runs the built-in calibration text through
-    ``target`` (:func:`~tpguide.engine.draft_lens_calibration.collect_residuals`,
+    ``target`` (:func:`~tpguide.speculative.draft_lens_calibration.collect_residuals`,
     which **replaces the KV cache**; build the Engine afterwards) and rank 0
     fits (:func:`fit_tuned_lens`) and writes the cache file.
 

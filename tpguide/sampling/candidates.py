@@ -6,7 +6,7 @@ top-n never depend on ``torch.topk``'s tie-breaking.  :func:`local_candidates`
 builds one rank's all-gather payload, :func:`merge_candidates` merges the
 stacked payloads identically on every rank, :func:`local_sum_exp` and
 :func:`fixed_point_exp_sum` give the tp-invariant log-sum-exp.  The
-protocol around them is in :mod:`tpguide.engine.sampler`.
+protocol around them is in :mod:`tpguide.sampling.sampler`.
 """
 
 from __future__ import annotations
@@ -15,36 +15,36 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from tpguide.engine.random_stream import gumbel_noise
-from tpguide.engine.sampling_metadata import (
-    _COLS,
-    _FIXED_ONE,
-    _ID_SPAN,
+from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.metadata import (
+    FIXED_ONE,
+    ID_SPAN,
     MIN_TEMPERATURE,
+    NUM_HEAD_COLS,
     TOP_P_CANDIDATES,
     SamplingMetadata,
 )
-from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.random_stream import gumbel_noise
 
 
-class _RowModes(NamedTuple):
+class RowModes(NamedTuple):
     greedy: torch.Tensor  # bool [rows], CPU
     top_k_on: torch.Tensor
     top_p_on: torch.Tensor
     plain: torch.Tensor  # temperature sampling without top-k/top-p
 
 
-def _row_modes(meta: SamplingMetadata, org_vocab_size: int) -> _RowModes:
+def row_modes(meta: SamplingMetadata, org_vocab_size: int) -> RowModes:
     greedy = meta.temperature.cpu() < MIN_TEMPERATURE
     top_k = meta.top_k.cpu()
     k_on = (top_k >= 1) & (top_k < org_vocab_size) & ~greedy
     p_on = (meta.top_p.cpu() < 1) & ~greedy
-    return _RowModes(greedy, k_on, p_on, ~greedy & ~k_on & ~p_on)
+    return RowModes(greedy, k_on, p_on, ~greedy & ~k_on & ~p_on)
 
 
 def num_candidates(meta: SamplingMetadata, org_vocab_size: int) -> int:
     """First-round candidate count ``K`` for a batch (see module docstring)."""
-    modes = _row_modes(meta, org_vocab_size)
+    modes = row_modes(meta, org_vocab_size)
     k = meta.num_logprobs
     if bool(modes.top_k_on.any()):
         k = max(k, int(meta.top_k.cpu()[modes.top_k_on].max()))
@@ -53,7 +53,7 @@ def num_candidates(meta: SamplingMetadata, org_vocab_size: int) -> int:
     return min(k, org_vocab_size)
 
 
-def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """int64 keys ordered by (fp32 value ascending, id descending); unique per id.
 
     The fp32 bit pattern is made monotone (flip the magnitude bits of
@@ -62,15 +62,15 @@ def _order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """
     bits = values.view(torch.int32).to(torch.int64)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return ordered * _ID_SPAN + (_ID_SPAN - 1 - ids)
+    return ordered * ID_SPAN + (ID_SPAN - 1 - ids)
 
 
-def _key_ids(keys: torch.Tensor) -> torch.Tensor:
-    return (_ID_SPAN - 1) - (keys & (_ID_SPAN - 1))
+def key_ids(keys: torch.Tensor) -> torch.Tensor:
+    return (ID_SPAN - 1) - (keys & (ID_SPAN - 1))
 
 
-def _key_values(keys: torch.Tensor) -> torch.Tensor:
-    """fp32 values of :func:`_order_keys` keys, returned as float64 (exact)."""
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values of :func:`order_keys` keys, returned as float64 (exact)."""
     ordered = keys >> 32
     bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
     return bits.to(torch.int32).view(torch.float32).to(torch.float64)
@@ -104,11 +104,11 @@ def local_candidates(
     ids = torch.arange(start, start + width, device=x.device)
     # max and its first index = the max key (larger value, then lower id); NaN propagates
     row_max, first = x.max(dim=-1)  # [rows]
-    max_key = _order_keys(row_max, first + start)
+    max_key = order_keys(row_max, first + start)
     bad = torch.isnan(row_max) | (row_max == float("inf"))
     # rows that are not plain temperature rows carry the greedy pair here (no noise)
-    score, winner_key = _key_values(max_key), max_key.clone()
-    plain = _row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
+    score, winner_key = key_values(max_key), max_key.clone()
+    plain = row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
     if plain.numel():
         temp = meta.temperature.to(x.device, torch.float64)[plain]
         seeds, positions = meta.seeds.to(x.device)[plain], meta.sample_positions.to(x.device)[plain]
@@ -116,10 +116,10 @@ def local_candidates(
         s = x[plain].to(torch.float64) / temp[:, None] + noise
         best = s.argmax(dim=-1, keepdim=True)  # first maximum = lowest id on ties
         score[plain] = s.gather(-1, best).squeeze(-1)
-        winner_key[plain] = _order_keys(x[plain].gather(-1, best).squeeze(-1), best.squeeze(-1) + start)
+        winner_key[plain] = order_keys(x[plain].gather(-1, best).squeeze(-1), best.squeeze(-1) + start)
     k = min(num_candidates, width)
     if k:  # full-row keys only when candidates are wanted: [rows, V_local] int64
-        top = _order_keys(x, ids).topk(k, dim=-1).values  # sorted, largest first
+        top = order_keys(x, ids).topk(k, dim=-1).values  # sorted, largest first
     else:
         top = max_key.new_empty((rows, 0))
     head = torch.stack([max_key, score.view(torch.int64), winner_key, bad.to(torch.int64)], dim=-1)
@@ -150,9 +150,9 @@ def merge_candidates(stacked: torch.Tensor, num_candidates: int) -> Merged:
     g_keys = stacked[:, :, 2]
     tied = scores == scores.max(dim=0, keepdim=True).values
     # among the ranks with the best score, the one whose winner has the lowest id
-    tie_ids = torch.where(tied, _key_ids(g_keys), _ID_SPAN)
+    tie_ids = torch.where(tied, key_ids(g_keys), ID_SPAN)
     src = tie_ids.argmin(dim=0, keepdim=True)  # [1, rows]
-    cands = stacked[:, :, _COLS:].permute(1, 0, 2).reshape(rows, tp * (stacked.shape[2] - _COLS))
+    cands = stacked[:, :, NUM_HEAD_COLS:].permute(1, 0, 2).reshape(rows, tp * (stacked.shape[2] - NUM_HEAD_COLS))
     return Merged(
         max_key=stacked[:, :, 0].max(dim=0).values,
         gumbel_key=g_keys.gather(0, src).squeeze(0),
@@ -210,4 +210,4 @@ def fixed_point_exp_sum(d: torch.Tensor) -> torch.Tensor:
     """
     e = torch.exp(d)
     e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows
-    return torch.round(e * _FIXED_ONE).to(torch.int64).sum(dim=-1)
+    return torch.round(e * FIXED_ONE).to(torch.int64).sum(dim=-1)

@@ -1,4 +1,4 @@
-"""Speculative decoding on the driver: draft, verify, accept (issue 4).
+"""Speculative decoding on the driver: propose drafts, verify, accept (docs/architecture.md §5).
 
 Per decode step of a request with ``k`` drafts (``k`` may be 0)::
 
@@ -16,8 +16,11 @@ argmax, sampled rows draw with noise keyed by ``(seed, position)``, so a token
 is produced by the same computation as without drafts and speculative output
 equals non-speculative output for every request (up to floating-point
 differences between batch shapes).  Stop conditions (stop token, grammar end,
-``max_tokens``, ``max_model_len``) are checked token by token through
-:meth:`Driver._append`, so the accepted window is truncated at the first one.
+``max_tokens``, ``max_model_len``) are checked token by token when the
+driver appends the verified tokens (:mod:`tpguide.engine.step_finisher`), so
+the accepted window is truncated at the first one: a stop token, or the
+first token after which the grammar matcher is terminated (also with
+``ignore_eos``), exactly as without speculation.
 
 Draft lengths are capped so that a verification never writes past
 ``max_model_len`` nor produces more than ``max_tokens`` tokens, and by the
@@ -26,15 +29,11 @@ step's token budget.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import List, Optional
 
-from tpguide.engine.ngram_proposer import NgramProposer
-from tpguide.engine.request import Request
-from tpguide.guided.spec_counters import SpecAccountingError, num_accepted_drafts
-
-logger = logging.getLogger(__name__)
+from tpguide.guided.spec_counters import num_accepted_drafts
+from tpguide.speculative.ngram import NgramProposer
 
 #: Values of ``EngineConfig.speculative_method`` (None = off).
 SPECULATIVE_METHODS = ("ngram", "draft-head")
@@ -83,7 +82,7 @@ class Speculator:
         ``ngram`` drafts on the driver while scheduling; ``draft-head``
         reserves :data:`DRAFT_PENDING` positions
         that the engine's drafting loop fills on every rank
-        (:mod:`tpguide.engine.draft_loop`).
+        (:mod:`tpguide.speculative.draft_loop`).
     num_speculative_tokens : int
         ``K``, the most drafts per request per step (``>= 1``).
     max_model_len : int
@@ -105,13 +104,13 @@ class Speculator:
         self.proposer = NgramProposer() if method == "ngram" else None
         self.stats = SpecStats()
 
-    def max_num_drafts(self, req: Request, budget: int) -> int:
+    def max_num_drafts(self, req, budget: int) -> int:
         """Drafts ``req`` may carry this step with ``budget`` tokens left (golden included)."""
         left = req.sampling_params.max_tokens - len(req.output_token_ids)
         return max(0, min(self.num_speculative_tokens, budget - 1, left - 1,
                           self.max_model_len - req.num_tokens))
 
-    def propose(self, req: Request, budget: int) -> List[int]:
+    def propose(self, req, budget: int) -> List[int]:
         """Drafts for ``req``'s next decode step (the scheduler's hook); placeholders for ``draft-head``."""
         k = self.max_num_drafts(req, budget)
         if not k:
@@ -120,22 +119,24 @@ class Speculator:
             return [DRAFT_PENDING] * k
         return self.proposer.propose(req.all_token_ids, k)[:k]
 
-    def verify(self, driver, req: Request, drafts: List[int], token_ids: List[int], bad: List[bool],
-               first_row: int, out) -> None:
-        """Accept drafts of one decode step and append the output tokens.
+    def verify(self, drafts: List[int], token_ids: List[int], first_row: int) -> "Verification":
+        """Longest accepted prefix of one request's drafts (pure apart from :attr:`stats`).
 
         Parameters
         ----------
-        driver : Driver
-        req : Request
-            Not finished, past its prompt; ``num_computed_tokens`` already
-            advanced by ``1 + len(drafts)``.
         drafts : list of int
-        token_ids, bad : list
-            The step's sampled tokens and bad-row flags, all sample rows.
+            ``d_1 .. d_k`` fed after the golden token (``k`` may be 0).
+        token_ids : list of int
+            The step's sampled tokens, all sample rows.
         first_row : int
-            ``req``'s first sample row (rows ``first_row .. first_row + k``).
-        out : SamplerOutput
+            The request's first sample row (rows ``first_row .. first_row + k``).
+
+        Returns
+        -------
+        Verification
+            ``a`` and the ``1 + a`` candidate output tokens ``d_1 .. d_a, y_a``
+            with their rows; the driver appends them token by token and stops
+            at the first stop condition (:mod:`tpguide.engine.step_finisher`).
         """
         k = len(drafts)
         targets = token_ids[first_row : first_row + k + 1]
@@ -145,30 +146,27 @@ class Speculator:
             self.stats.num_verify_steps += 1
             self.stats.num_drafted += k
             self.stats.num_accepted += a
-        req.num_computed_tokens -= k - a  # rejected positions: overwritten by later steps
-        accepted = a
-        guided = driver.guided if req.structured_output is not None else None
-        if guided is not None and hasattr(guided, "rollback_rejected"):
-            try:
-                accepted = guided.rollback_rejected(req.slot, a)
-            except SpecAccountingError as exc:  # a bug: report it loudly, fail this request only
-                logger.error("speculative accounting bug for request %s: %s", req.request_id, exc)
-                req.fail(f"internal error (speculative accounting): {exc}")
-                return
-            except ValueError as exc:
-                req.fail(str(exc))
-                return
-        for j in range(accepted + 1):
-            row = first_row + j
-            if bad[row]:
-                req.fail(f"non-finite logits at step {driver.step} (all -inf or NaN)")
-                return
-            if j < accepted:  # the matcher already advanced through this draft
-                driver._append(req, drafts[j], out, row, advance_matcher=False)
-            else:
-                driver._append(req, targets[j], out, row)
-            if req.is_finished:
-                return
+        return Verification(num_accepted=a, token_ids=list(drafts[:a]) + [targets[a]],
+                            rows=list(range(first_row, first_row + a + 1)))
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What the target accepted of one request's draft window.
+
+    Attributes
+    ----------
+    num_accepted : int
+        ``a``: drafts equal to the target's token at the row before them.
+    token_ids : list of int
+        ``[d_1 .. d_a, y_a]``: the output tokens in order (``y_a`` is the bonus).
+    rows : list of int
+        The sample row of each token (its logprobs).
+    """
+
+    num_accepted: int
+    token_ids: List[int]
+    rows: List[int]
 
 
 def make_speculator(config) -> Optional[Speculator]:

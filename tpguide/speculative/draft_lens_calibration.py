@@ -38,7 +38,7 @@ Document = Union[str, List[Dict[str, str]]]
 
 def calibration_text() -> str:
     """The built-in calibration text (package data)."""
-    return resources.files("tpguide.engine").joinpath("data/draft_lens_calibration.txt").read_text("utf-8")
+    return resources.files("tpguide.speculative").joinpath("data/draft_lens_calibration.txt").read_text("utf-8")
 
 
 def parse_documents(text: str) -> List[Document]:

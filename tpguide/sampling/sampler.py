@@ -7,11 +7,11 @@ logprobs) for tp_size 1, 2, 3, 4:
 
 * **ranking keys.**  A token's (fp32 logit, global id) pair is packed into one
   int64 whose order is "larger logit first, lower id on ties" and that is
-  unique per token (:func:`_order_keys`).  Maxima and top-k selections of keys
+  unique per token (:func:`order_keys`).  Maxima and top-k selections of keys
   are therefore unambiguous, whatever the shard layout or the topk kernel.
 * **greedy**: max key per rank, all-gathered, max wins.
 * **temperature** (no top-k/top-p): Gumbel-max, ``argmax(logits / T + g)``
-  with ``g`` from :mod:`tpguide.engine.random_stream`, a pure function of
+  with ``g`` from :mod:`tpguide.sampling.random_stream`, a pure function of
   ``(seed, sample_position, global_token_id)``; each rank sends its winner
   ``(score, key)``; max score wins, lowest id on ties.
 * **top-k / top-p**: each rank sends its top ``min(K, V_local)`` keys; the
@@ -71,7 +71,7 @@ model all-reduces, fp32 (1 + 2 * 30)     1.07 MiB     4.3 MiB      137 KiB
 
 The sampler's all-reduce is skipped when no row wants logprobs and none uses
 top-p alone (``return_logprobs=False``).  Prompt logprobs
-(:mod:`tpguide.engine.prompt_logprobs`) add ``8 * (3 + n) * tp + 8`` bytes
+(:mod:`tpguide.sampling.prompt_logprobs`) add ``8 * (3 + n) * tp + 8`` bytes
 per prompt row.  The step plan (one ``broadcast_object``) is ``O(T)``
 integers, a few KiB.  A guided greedy row thus costs about 1.7 KiB: 1.2% of
 what the model's own activation all-reduces move per token (``576 * 4 * 61``
@@ -80,34 +80,33 @@ bytes) and 0.9% of a full-logits gather; a top-p row about 9.6 KiB (7%).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from tpguide.dist import collectives
-from tpguide.dist.group import TPGroup
-from tpguide.engine.random_stream import gumbel_noise
-from tpguide.engine.sampler_candidates import (
+from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.candidates import (
     Merged,
-    _key_ids,
-    _key_values,
-    _row_modes,
-    _RowModes,
+    RowModes,
+    key_ids,
+    key_values,
     local_candidates,
     local_sum_exp,
     merge_candidates,
     num_candidates,
+    row_modes,
 )
-from tpguide.engine.sampling_metadata import (  # SamplingMetadata re-exported
-    _FIXED_ONE,
-    _ID_SPAN,
+from tpguide.sampling.exchange import ShardsByHand
+from tpguide.sampling.metadata import (  # SamplingMetadata re-exported
+    FIXED_ONE,
+    ID_SPAN,
     MAX_VOCAB_SIZE,
     MIN_TEMPERATURE,
     TOP_P_GROWTH,
     SamplerOutput,
     SamplingMetadata,
 )
-from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.random_stream import gumbel_noise
 
 
 def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: SamplingMetadata,
@@ -118,15 +117,15 @@ def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: Sa
     nucleus may extend past the candidates.
     """
     device = gmax.device
-    modes = _RowModes(*(m.to(device) for m in _row_modes(meta, org_vocab_size)))
+    modes = RowModes(*(m.to(device) for m in row_modes(meta, org_vocab_size)))
     temp = meta.temperature.to(device, torch.float64).clamp(min=MIN_TEMPERATURE)
     token_key = torch.where(modes.plain, merged.gumbel_key, merged.max_key)
-    token_ids, token_x = _key_ids(token_key), _key_values(token_key)
+    token_ids, token_x = key_ids(token_key), key_values(token_key)
     needs_more = torch.zeros_like(modes.greedy)
     filt = (modes.top_k_on | modes.top_p_on).nonzero().squeeze(-1)
     if filt.numel():
         keys = merged.cand_keys[filt]  # [F, K], largest first
-        cx, cid = _key_values(keys), _key_ids(keys)
+        cx, cid = key_values(keys), key_ids(keys)
         k_on, p_on = modes.top_k_on[filt], modes.top_p_on[filt]
         rank = torch.arange(keys.shape[1], device=device)
         k_eff = torch.where(k_on, meta.top_k.to(device, torch.int64)[filt], keys.shape[1])
@@ -146,56 +145,33 @@ def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: Sa
         noise = gumbel_noise(seeds, positions, cid)  # [F, K]
         score = torch.where(kept, cx / temp[filt, None] + noise, float("-inf"))
         tied = score == score.max(dim=-1, keepdim=True).values
-        pick = torch.where(tied, cid, _ID_SPAN).argmin(dim=-1, keepdim=True)  # lowest id on ties
+        pick = torch.where(tied, cid, ID_SPAN).argmin(dim=-1, keepdim=True)  # lowest id on ties
         token_ids[filt] = cid.gather(-1, pick).squeeze(-1)
         token_x[filt] = cx.gather(-1, pick).squeeze(-1)
     lse = gmax + log_norm[:, 0]
-    bad = merged.bad | ~torch.isfinite(_key_values(merged.max_key)) | (token_ids >= org_vocab_size)
+    bad = merged.bad | ~torch.isfinite(key_values(merged.max_key)) | (token_ids >= org_vocab_size)
     n = min(meta.num_logprobs, merged.cand_keys.shape[1])
     top = merged.cand_keys[:, :n]
     out = SamplerOutput(
         token_ids=torch.where(bad, -1, token_ids),
         logprobs=torch.where(bad, float("-inf"), token_x - lse).to(torch.float32),
-        top_logprob_ids=_key_ids(top),
-        top_logprobs=torch.where(bad[:, None], float("-inf"), _key_values(top) - lse[:, None]).to(torch.float32),
+        top_logprob_ids=key_ids(top),
+        top_logprobs=torch.where(bad[:, None], float("-inf"), key_values(top) - lse[:, None]).to(torch.float32),
         bad_rows=bad,
         num_candidates=merged.cand_keys.shape[1],
     )
     return out, needs_more
 
 
-PerRank = Callable[[torch.Tensor, VocabShard], torch.Tensor]
-
-
-class GroupExchange:
-    """The two collectives of :func:`sample_with_exchange` over a real :class:`TPGroup`."""
-
-    def __init__(self, logits_shard: torch.Tensor, shard: VocabShard, group: TPGroup) -> None:
-        self.logits_shard, self.shard, self.group = logits_shard, shard, group
-
-    def gather(self, fn: PerRank) -> torch.Tensor:
-        """``fn`` on this rank's shard, all-gathered: ``[tp_size, *shape]``."""
-        return collectives.all_gather_stacked(fn(self.logits_shard, self.shard), self.group)
-
-    def reduce_sum(self, fn: PerRank) -> torch.Tensor:
-        return collectives.all_reduce(fn(self.logits_shard, self.shard), self.group, op="sum")
-
-
-class ShardsByHand:
-    """Every rank's shard in one process: the exchange of shard-by-hand tests."""
-
-    def __init__(self, logits_shards: Sequence[torch.Tensor], shards: Sequence[VocabShard]) -> None:
-        self.pairs = list(zip(logits_shards, shards, strict=True))
-
-    def gather(self, fn: PerRank) -> torch.Tensor:
-        return torch.stack([fn(x, s) for x, s in self.pairs])
-
-    def reduce_sum(self, fn: PerRank) -> torch.Tensor:
-        return torch.stack([fn(x, s) for x, s in self.pairs]).sum(dim=0)
-
-
 def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) -> SamplerOutput:
-    """The sampling protocol over ``exchange`` (:class:`GroupExchange` or :class:`ShardsByHand`).
+    """Sample one token per row from vocabulary-sharded logits; same result on every rank.
+
+    ``exchange`` provides the two collectives (:mod:`tpguide.sampling.exchange`):
+    :class:`~tpguide.worker.group_exchange.GroupExchange` over a real TP group
+    (:func:`tpguide.worker.group_exchange.sample`) or
+    :class:`~tpguide.sampling.exchange.ShardsByHand` in one process.  Logits
+    shards are float32 (fp16/bf16 upcast exactly) ``[rows, V_local]``, bitmask
+    applied, padded ids ``-inf``, not modified; the result is on their device.
 
     Every rank makes the same calls in the same order: gather candidates,
     all-reduce the fixed-point sums, and (rarely) gather more candidates.
@@ -203,15 +179,15 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     org = shard.org_vocab_size
     k = num_candidates(meta, org)
     merged = merge_candidates(exchange.gather(lambda x, s: local_candidates(x, meta, s, k)), k)
-    gmax = _key_values(merged.max_key)
+    gmax = key_values(merged.max_key)
     gmax = torch.where(torch.isfinite(gmax), gmax, 0.0)
     inv_t = 1.0 / meta.temperature.to(gmax.device, torch.float64).clamp(min=MIN_TEMPERATURE)
-    modes = _row_modes(meta, org)
+    modes = row_modes(meta, org)
     top_p_only = (modes.top_p_on & ~modes.top_k_on).nonzero().squeeze(-1).to(gmax.device)  # log_norm[:, 1] users
     want_lse = meta.return_logprobs or meta.num_logprobs > 0
     if want_lse or top_p_only.numel():  # the same decision on every rank
         sums = exchange.reduce_sum(lambda x, s: local_sum_exp(x, gmax, inv_t, top_p_only, plain_sum=want_lse))
-        log_norm = torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows, 2]
+        log_norm = torch.log(sums.to(torch.float64).clamp(min=1.0) / FIXED_ONE)  # [rows, 2]
     else:
         log_norm = gmax.new_zeros((gmax.shape[0], 2))
     if not want_lse:
@@ -224,7 +200,8 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     return out
 
 
-def _check(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard) -> None:
+def check_sampler_inputs(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the values when one rank's sampler inputs do not fit."""
     if shard.padded_vocab_size > MAX_VOCAB_SIZE:
         raise ValueError(f"padded_vocab_size={shard.padded_vocab_size} > {MAX_VOCAB_SIZE} (fixed-point sum)")
     want = (meta.num_rows, shard.num_embeddings_per_partition)
@@ -236,51 +213,14 @@ def _check(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard
         raise ValueError(f"num_logprobs={meta.num_logprobs} > org_vocab_size={shard.org_vocab_size}")
 
 
-def sample(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard, group: TPGroup) -> SamplerOutput:
-    """Sample one token per row from vocabulary-sharded logits; same result on every rank.
-
-    Parameters
-    ----------
-    logits_shard : Tensor, float32 (or fp16/bf16, upcast exactly) [rows, V_local]
-        This rank's logits, ``V_local = shard.num_embeddings_per_partition``,
-        bitmask already applied, padded ids ``-inf``.  Not modified.
-    meta : SamplingMetadata
-        Identical on every rank.
-    shard : VocabShard
-        This rank's vocabulary slice (``shard.tp_rank == group.tp_rank``).
-    group : TPGroup
-        Called collectives: one all-gather, one all-reduce, more all-gathers
-        only when a top-p nucleus outgrows the candidates.
-
-    Returns
-    -------
-    SamplerOutput
-        On ``logits_shard``'s device, identical on every rank and for every tp_size.
-
-    Raises
-    ------
-    ValueError
-        Shape mismatch, shard/group mismatch, ``num_logprobs > org_vocab_size``
-        or a vocabulary above ``2**19`` tokens.
-    TypeError
-        Non-floating logits.
-    """
-    if (shard.tp_rank, shard.tp_size) != (group.tp_rank, group.tp_size):
-        raise ValueError(
-            f"shard is rank {shard.tp_rank} of {shard.tp_size} but group is rank {group.tp_rank} of {group.tp_size}"
-        )
-    _check(logits_shard, meta, shard)
-    return sample_with_exchange(GroupExchange(logits_shard, shard, group), meta, shard)
-
-
 def sample_by_hand(
     logits_shards: Sequence[torch.Tensor], meta: SamplingMetadata, shards: Sequence[VocabShard]
 ) -> SamplerOutput:
-    """:func:`sample` for all ranks in one process (stack instead of all-gather).
+    """:func:`sample_with_exchange` for all ranks in one process (stack instead of all-gather).
 
     The single-process oracle of shard-by-hand tests: ``logits_shards[r]`` and
     ``shards[r]`` are rank ``r``'s inputs.
     """
     for x, s in zip(logits_shards, shards, strict=True):
-        _check(x, meta, s)
+        check_sampler_inputs(x, meta, s)
     return sample_with_exchange(ShardsByHand(logits_shards, shards), meta, shards[0])

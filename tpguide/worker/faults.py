@@ -1,18 +1,16 @@
-"""Failure paths of the SPMD loop: driver aborts and non-finite logits.
+"""Non-finite logits on every rank: which ranks' shards held them (docs/architecture.md §1).
 
-Two rules keep a failure from hanging the group (DESIGN.md §1, every rank
-calls the same collectives in the same order):
+Two rules keep a failure from hanging the group (every rank calls the same
+collectives in the same order):
 
-* **between steps** (the driver is scheduling, advancing matchers, writing
-  output) the other ranks wait in the plan broadcast.  If the driver fails
-  there it broadcasts an :class:`AbortPlan` instead of the next
-  :class:`~tpguide.engine.step_plan.StepPlan`; every rank raises
-  :class:`DriverAborted` naming the driver's error and exits non-zero.
+* **between steps** the other ranks wait in the plan broadcast.  If the
+  driver fails there it broadcasts an ABORT message
+  (:class:`tpguide.worker.messages.Message`); every rank raises
+  :class:`~tpguide.worker.messages.DriverAborted` naming the driver's error.
 * **inside a step** the ranks are somewhere in the step's collectives; no
   message can be matched safely.  The failing process exits; its peers'
   next collective fails (gloo: closed socket, at once; NCCL: the collective
-  timeout) and ``torchrun`` stops the remaining workers as soon as one exits
-  non-zero.
+  timeout) and ``torchrun`` stops the remaining workers.
 
 A row of logits with a NaN or ``+inf`` (or no finite value) fails its
 request only; :func:`nonfinite_ranks` says which ranks' shards held the
@@ -27,36 +25,6 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-
-
-class DriverAborted(RuntimeError):
-    """Raised on a non-driver rank when the driver broadcast an :class:`AbortPlan`."""
-
-
-class AbortPlan:
-    """Sent instead of a step plan when the driver fails between steps.
-
-    Looks like a stop plan (``stop`` is True) to a loop that only checks
-    ``plan.stop``; :func:`raise_if_abort` turns it into :class:`DriverAborted`.
-    """
-
-    stop = True
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def abort_plan_for(exc: BaseException) -> AbortPlan:
-    """The abort plan that reports ``exc`` (type and message) to the other ranks."""
-    return AbortPlan(f"{type(exc).__name__}: {exc}")
-
-
-def raise_if_abort(plan, group: TPGroup) -> None:
-    """Raise :class:`DriverAborted` on a non-driver rank that received an :class:`AbortPlan`."""
-    error = getattr(plan, "error", None)
-    if error is not None:
-        raise DriverAborted(f"rank {group.tp_rank}: the driver (rank 0) failed between steps and "
-                            f"aborted the group: {error}")
 
 
 def nonfinite_ranks(logits: torch.Tensor, group: TPGroup) -> List[List[int]]:

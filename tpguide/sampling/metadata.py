@@ -1,6 +1,6 @@
 """Per-row sampling parameters of one step and the sampler's output (no collectives).
 
-Split out of :mod:`tpguide.engine.sampler`, which explains the algorithms.
+Split out of :mod:`tpguide.sampling.sampler`, which explains the algorithms.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ TOP_P_CANDIDATES = 256
 TOP_P_GROWTH = 8
 #: Temperatures below this are greedy (vLLM's sampling epsilon).
 MIN_TEMPERATURE = 1e-5
-_FIXED_ONE = 2.0**44  # fixed-point unit of sum_exp; 2**19 tokens * 2**44 < 2**63
+FIXED_ONE = 2.0**44  # fixed-point unit of sum_exp; 2**19 tokens * 2**44 < 2**63
 MAX_VOCAB_SIZE = 2**19
-_ID_SPAN = 2**32
-_COLS = 4  # greedy key, Gumbel score bits, Gumbel key, bad flag; then K candidate keys
+ID_SPAN = 2**32
+NUM_HEAD_COLS = 4  # greedy key, Gumbel score bits, Gumbel key, bad flag; then K candidate keys
 
 
 

@@ -13,7 +13,7 @@ and never sees a full row:
   target's logit (exactly one rank holds it), and a top-``n`` merge gives
   the global top-``n`` (keys: larger logit first, lower id on ties);
 * ``sum(exp(x - max))`` as a fixed-point int64, all-reduced
-  (:func:`~tpguide.engine.sampler.fixed_point_exp_sum`), so the normaliser
+  (:func:`~tpguide.sampling.sampler.fixed_point_exp_sum`), so the normaliser
   and therefore every logprob are bit-identical for every tp_size.
 
 Bytes per row and rank: ``8 * (3 + n) * tp`` received by the all-gather plus
@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tpguide.dist.group import TPGroup
-from tpguide.engine.sampler import GroupExchange, ShardsByHand
-from tpguide.engine.sampler_candidates import _key_ids, _key_values, _order_keys, fixed_point_exp_sum
-from tpguide.engine.sampling_metadata import _FIXED_ONE
 from tpguide.model.vocab_shard import VocabShard
+from tpguide.sampling.candidates import fixed_point_exp_sum, key_ids, key_values, order_keys
+from tpguide.sampling.exchange import ShardsByHand
+from tpguide.sampling.metadata import FIXED_ONE
 
 _HEAD = 3  # max key, target key, bad flag; then the top-n keys
 _NO_KEY = torch.iinfo(torch.int64).min
@@ -90,7 +89,7 @@ def local_prompt_candidates(logits_shard: torch.Tensor, target_ids: torch.Tensor
     rows, width = x.shape
     start = shard.vocab_start_index
     ids = torch.arange(start, start + width, device=x.device)
-    keys = _order_keys(x, ids)  # [rows, V_local]
+    keys = order_keys(x, ids)  # [rows, V_local]
     target = target_ids.to(x.device, torch.int64)
     local = (target >= start) & (target < start + width)
     col = (target - start).clamp(0, width - 1)
@@ -102,7 +101,7 @@ def local_prompt_candidates(logits_shard: torch.Tensor, target_ids: torch.Tensor
 
 def prompt_logprobs_with_exchange(exchange, target_ids: torch.Tensor, num_top: int,
                                   org_vocab_size: int) -> PromptLogprobs:
-    """The protocol over ``exchange`` (:class:`GroupExchange` or :class:`ShardsByHand`).
+    """The protocol over ``exchange`` (see :mod:`tpguide.sampling.exchange`).
 
     One all-gather of :func:`local_prompt_candidates`, one all-reduce of the
     fixed-point ``sum(exp(x - max))``; every rank makes the same calls.
@@ -115,95 +114,32 @@ def prompt_logprobs_with_exchange(exchange, target_ids: torch.Tensor, num_top: i
     bad = stacked[:, :, 2].max(dim=0).values.bool()
     cands = stacked[:, :, _HEAD:].permute(1, 0, 2).reshape(rows, -1)  # [rows, tp * n_local]
     top = cands.topk(min(n, cands.shape[1]), dim=-1).values  # [rows, n]
-    gmax = _key_values(max_key)  # float64 [rows]
+    gmax = key_values(max_key)  # float64 [rows]
     bad |= ~torch.isfinite(gmax) | (target_key == _NO_KEY)
     gmax = torch.where(bad, 0.0, gmax)
     sums = exchange.reduce_sum(lambda x, s: fixed_point_exp_sum(x.to(torch.float64) - gmax.to(x.device)[:, None]))
-    lse = gmax + torch.log(sums.to(torch.float64).clamp(min=1.0) / _FIXED_ONE)  # [rows]
-    target_x = _key_values(torch.where(bad, 0, target_key))
+    lse = gmax + torch.log(sums.to(torch.float64).clamp(min=1.0) / FIXED_ONE)  # [rows]
+    target_x = key_values(torch.where(bad, 0, target_key))
     return PromptLogprobs(
         logprobs=torch.where(bad, float("-inf"), target_x - lse).to(torch.float32),
-        top_ids=_key_ids(top),
-        top_logprobs=torch.where(bad[:, None], float("-inf"), _key_values(top) - lse[:, None]).to(torch.float32),
+        top_ids=key_ids(top),
+        top_logprobs=torch.where(bad[:, None], float("-inf"), key_values(top) - lse[:, None]).to(torch.float32),
     )
 
 
-def compute_prompt_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor, num_top: int,
-                            shard: VocabShard, group: TPGroup) -> PromptLogprobs:
-    """Logprob of each row's target token and the top-``num_top`` logprobs; same on every rank.
-
-    Parameters
-    ----------
-    logits_shard : Tensor, float32 [rows, V_local]
-        This rank's raw logits of the prompt rows (padded ids ``-inf``).  Not modified.
-    target_ids : Tensor, int64 [rows]
-        Global id of the prompt token each row scores; the same on every rank.
-    num_top : int
-        Top logprobs per row, ``>= 0``.
-    shard : VocabShard
-    group : TPGroup
-        Collectives: one all-gather, one all-reduce (nothing at tp_size 1).
-
-    Raises
-    ------
-    ValueError
-        Shapes that do not match, a negative ``num_top``, or a shard of another rank.
-    """
-    if (shard.tp_rank, shard.tp_size) != (group.tp_rank, group.tp_size):
-        raise ValueError(
-            f"shard is rank {shard.tp_rank} of {shard.tp_size} but group is rank {group.tp_rank} of {group.tp_size}"
-        )
-    _check(logits_shard, target_ids, num_top, shard)
-    return prompt_logprobs_with_exchange(GroupExchange(logits_shard, shard, group), target_ids, num_top,
-                                         shard.org_vocab_size)
-
-
 def prompt_logprobs_by_hand(logits_shards, target_ids: torch.Tensor, num_top: int, shards) -> PromptLogprobs:
-    """:func:`compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
+    """:func:`tpguide.worker.prompt_logprobs.compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
     for x, s in zip(logits_shards, shards, strict=True):
-        _check(x, target_ids, num_top, s)
+        check_prompt_inputs(x, target_ids, num_top, s)
     return prompt_logprobs_with_exchange(ShardsByHand(logits_shards, shards), target_ids, num_top,
                                          shards[0].org_vocab_size)
 
 
-def _check(logits_shard: torch.Tensor, target_ids: torch.Tensor, num_top: int, shard: VocabShard) -> None:
+def check_prompt_inputs(logits_shard: torch.Tensor, target_ids: torch.Tensor, num_top: int, shard: VocabShard) -> None:
+    """Raise ``ValueError`` naming the shapes when one rank's prompt-logprob inputs do not fit."""
     want = (target_ids.shape[0], shard.num_embeddings_per_partition)
     if target_ids.dim() != 1 or tuple(logits_shard.shape) != want:
         raise ValueError(f"logits_shard must have shape {want} [rows, V_local] for target_ids of shape "
                          f"{tuple(target_ids.shape)}, got {tuple(logits_shard.shape)}")
     if num_top < 0:
         raise ValueError(f"num_top must be >= 0, got {num_top}")
-
-
-#: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
-PROMPT_ROW_BLOCK = 256
-
-
-def prompt_logprobs_for_plan(model, hidden: torch.Tensor, plan, group: TPGroup) -> PromptLogprobs:
-    """Prompt logprobs of one step's ``plan.selected_prompt_indices`` rows (every rank).
-
-    Parameters
-    ----------
-    model : LlamaForCausalLM
-        This rank's shard (its ``compute_logits`` and ``vocab_shard``).
-    hidden : Tensor [num_tokens, hidden_size]
-        The step's final hidden states (replicated).
-    plan : StepPlan
-        With ``selected_prompt_indices`` and ``prompt_target_ids`` set.
-    group : TPGroup
-
-    Returns
-    -------
-    PromptLogprobs
-        On the CPU, rows in plan order; the rows go through the LM head in
-        blocks of :data:`PROMPT_ROW_BLOCK` (the same blocks on every rank).
-    """
-    rows = plan.selected_prompt_indices.to(device=hidden.device, dtype=torch.int64)
-    targets = plan.prompt_target_ids.to(hidden.device)
-    parts = []
-    for start in range(0, rows.numel(), PROMPT_ROW_BLOCK):
-        block = slice(start, start + PROMPT_ROW_BLOCK)
-        logits = model.compute_logits(hidden[rows[block]])  # [B, V_pad / tp] fp32
-        out = compute_prompt_logprobs(logits, targets[block], plan.num_prompt_logprobs, model.vocab_shard, group)
-        parts.append(PromptLogprobs(out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()))
-    return PromptLogprobs.cat(parts, plan.num_prompt_logprobs)

@@ -7,7 +7,7 @@ computes the same keys and values the target would, so the target's
 verification simply overwrites them), the target's final norm, and an LM head
 over ``draft_vocab_size`` target ids only.  Its rows are the target's LM-head
 rows of those ids.  Optionally a tuned-lens translator (an affine map fitted
-on calibration text, :mod:`tpguide.engine.draft_lens`) sits between layer
+on calibration text, :mod:`tpguide.speculative.draft_lens`) sits between layer
 ``L`` and the final norm.
 
 **Draft vocabulary.**  :func:`select_draft_vocab` keeps the first ``N`` ids
@@ -215,7 +215,7 @@ class DraftHead(nn.Module):
     lens : torch.Tensor, optional
         float32 ``[H + 1, H]`` affine translator of the residual after layer
         ``L`` (last row the bias), the same on every rank
-        (:mod:`tpguide.engine.draft_lens`); None = identity.
+        (:mod:`tpguide.speculative.draft_lens`); None = identity.
 
     Raises
     ------
@@ -271,7 +271,7 @@ def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: 
     lens : bool
         Put a tuned-lens translator after layer ``L`` when ``L < num_hidden_layers``:
         loaded from the cache or fitted on the built-in calibration text
-        (:func:`~tpguide.engine.draft_lens.load_or_fit_lens`, which replaces
+        (:func:`~tpguide.speculative.draft_lens.load_or_fit_lens`, which replaces
         the KV cache: build the Engine afterwards).
     tokenizer : transformers tokenizer, optional
         Driver only; needed with ``lens``.
@@ -289,7 +289,7 @@ def build_draft_head(target, model_dir: str, num_layers: int, draft_vocab_size: 
     cfg = target.config
     translator = None
     if lens and 1 <= num_layers < cfg.num_hidden_layers:
-        from tpguide.engine.draft_lens import load_or_fit_lens
+        from tpguide.speculative.draft_lens import load_or_fit_lens
 
         translator = load_or_fit_lens(target, model_dir, num_layers, tokenizer)
     ids = select_draft_vocab(cfg.org_vocab_size, draft_vocab_size, always_token_ids)

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (n-gram lookup, draft head with a tuned lens) and verification."""

@@ -1,0 +1,175 @@
+"""Every rank's step execution: a plan in, a result value out (docs/architecture.md §1).
+
+:meth:`StepRunner.execute` runs one :class:`~tpguide.worker.messages.StepPlan`::
+
+    forward on this rank's weight shard       -> hidden [T, H] (replicated)
+    prompt rows -> LM-head shard -> prompt logprobs       (if the plan asks)
+    rows selected_token_indices -> LM-head shard          -> logits [R, V_pad / T] fp32
+    guided: broadcast token_mask, scatter word slices, apply own slice in place
+    vocab-parallel sampling (all-gather of (value, token id) candidates)
+    -> StepResult, identical on every rank
+
+It reads and writes no driver state: the driver's only input is the bitmask
+callable it passes in (the rows it filled while the forward ran).  Non-driver
+ranks run :meth:`StepRunner.follow_driver`, acting on each message of the
+plan channel until STOP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from tpguide.dist import TPGroup
+from tpguide.dist import collectives as C
+from tpguide.dist.fault_inject import step_fault_hook
+from tpguide.kernels import apply_token_bitmask_inplace
+from tpguide.model.attention import AttentionMetadata
+from tpguide.sampling.prompt_logprobs import PromptLogprobs
+from tpguide.worker.group_exchange import compute_prompt_logprobs, sample
+from tpguide.worker.messages import DriverAborted, Message, MessageKind, StepPlan
+
+#: On the driver: returns ``(token_mask int32 [R], word slices)`` once the rows are filled;
+#: slice ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``.
+BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor]]]
+
+#: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
+PROMPT_ROW_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, identical on every rank (CPU).
+
+    Attributes
+    ----------
+    token_ids : list of int
+        ``[R]`` sampled global token ids per sample row (``-1`` on a bad row).
+    logprobs : Tensor, float32 [R]
+        Raw logprob of each sampled token (NaN when no row asked for logprobs).
+    top_logprob_ids, top_logprobs : Tensor, int64 / float32 [R, n]
+    bad_rows : list of bool
+        ``[R]``: the row was all ``-inf``, held a NaN / ``+inf``, or a padded id won.
+    bad_row_notes : dict of int to str
+        Why each bad row is bad, naming the ranks whose shard held a NaN / ``+inf``.
+    prompt_logprobs : PromptLogprobs or None
+        Rows of ``plan.selected_prompt_indices``, in plan order.
+    """
+
+    token_ids: List[int]
+    logprobs: torch.Tensor
+    top_logprob_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    bad_rows: List[bool]
+    bad_row_notes: Dict[int, str]
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+class StepRunner:
+    """This rank's model shard (and draft head) driven by plans.
+
+    Parameters
+    ----------
+    model : LlamaForCausalLM
+        This rank's shard, KV cache allocated.
+    group : TPGroup
+    draft_head : DraftHead, optional
+        This rank's drafter (speculative method ``draft-head``).
+    """
+
+    def __init__(self, model, group: TPGroup, draft_head=None) -> None:
+        self.model, self.group, self.draft_head = model, group, draft_head
+        self.shard = model.vocab_shard
+        self._on_step = step_fault_hook(group)  # a no-op unless TPGUIDE_FAULT_INJECT names this rank
+
+    def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSource] = None) -> StepResult:
+        """Run one step on this rank (a collective: every rank calls it with the same plan).
+
+        Parameters
+        ----------
+        plan : StepPlan
+        bitmask : callable, optional
+            Driver only, for a guided plan: see :data:`BitmaskSource`.
+
+        Returns
+        -------
+        StepResult
+        """
+        self._on_step()
+        dev = self.group.device
+        meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
+        hidden = self.model(plan.input_ids.to(dev), meta.token_positions, meta)  # [T, H]
+        prompt = None
+        if plan.selected_prompt_indices is not None:
+            prompt = self._prompt_logprobs(hidden, plan)
+        rows = plan.selected_token_indices.to(device=dev, dtype=torch.int64)
+        logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
+        if plan.guided:
+            self._apply_bitmask(logits, bitmask)
+        out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
+        bad = out.bad_rows.cpu().tolist()
+        notes: Dict[int, str] = {}
+        if any(bad):  # identical on every rank: a collective every rank makes
+            from tpguide.worker.faults import describe_bad_rows, nonfinite_ranks
+
+            notes = describe_bad_rows(nonfinite_ranks(logits, self.group))
+        return StepResult(token_ids=out.token_ids.cpu().tolist(), logprobs=out.logprobs.cpu(),
+                          top_logprob_ids=out.top_logprob_ids.cpu(), top_logprobs=out.top_logprobs.cpu(),
+                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
+
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
+        """Receive this rank's token_mask and word slice, apply it to ``logits`` in place."""
+        num_rows = logits.shape[0]
+        dev = self.group.device
+        words = self.shard.bitmask_size // self.group.tp_size
+        token_mask = torch.zeros(num_rows, dtype=torch.int32)
+        slices = None
+        if self.group.is_driver:
+            token_mask, slices = bitmask()
+        token_mask = C.broadcast_tensor(token_mask.to(dev), self.group)
+        local = torch.empty((num_rows, words), dtype=torch.int32, device=dev)
+        C.scatter_tensor(local, None if slices is None else [s.to(dev) for s in slices], self.group)
+        apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
+                                    vocab_start_index=self.shard.vocab_start_index)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> PromptLogprobs:
+        """Prompt logprobs of ``plan.selected_prompt_indices``, in blocks of :data:`PROMPT_ROW_BLOCK` rows."""
+        rows = plan.selected_prompt_indices.to(device=hidden.device, dtype=torch.int64)
+        targets = plan.prompt_target_ids.to(hidden.device)
+        parts = []
+        for start in range(0, rows.numel(), PROMPT_ROW_BLOCK):
+            block = slice(start, start + PROMPT_ROW_BLOCK)
+            logits = self.model.compute_logits(hidden[rows[block]])  # [B, V_pad / tp] fp32
+            out = compute_prompt_logprobs(logits, targets[block], plan.num_prompt_logprobs, self.shard, self.group)
+            parts.append(PromptLogprobs(out.logprobs.cpu(), out.top_ids.cpu(), out.top_logprobs.cpu()))
+        return PromptLogprobs.cat(parts, plan.num_prompt_logprobs)
+
+    def draft(self, plan, token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One draft-head iteration (:func:`tpguide.speculative.draft_iteration.run_draft_iteration`)."""
+        from tpguide.speculative.draft_iteration import run_draft_iteration
+
+        return run_draft_iteration(self.draft_head, plan, self.group, token_bitmask)
+
+    def follow_driver(self) -> None:
+        """Act on the driver's messages until STOP (non-driver ranks).
+
+        Raises
+        ------
+        DriverAborted
+            The driver failed between steps (an ABORT message).
+        """
+        assert not self.group.is_driver
+        while True:
+            message: Message = C.broadcast_object(None, self.group)
+            if message.kind is MessageKind.STEP:
+                self.execute(message.step)
+            elif message.kind is MessageKind.DRAFT:
+                self.draft(message.draft)
+            elif message.kind is MessageKind.STOP:
+                return
+            elif message.kind is MessageKind.ABORT:
+                raise DriverAborted(f"rank {self.group.tp_rank}: the driver (rank 0) failed between steps "
+                                    f"and aborted the group: {message.error}")
+            # HEARTBEAT: nothing to do
