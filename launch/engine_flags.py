@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from tpguide.dist.group import DEFAULT_TIMEOUT_S
-from tpguide.engine.engine import EngineConfig
+from tpguide.engine import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -75,6 +75,7 @@ def _serve_worker(engine, group) -> int:
     signal.signal(signal.SIGINT, on_signal)
     engine.run_worker()
     destroy_tp_group(group)
+    print(f"[rank {group.tp_rank}] stopped; exit 0", file=sys.stderr, flush=True)
     return 0
 
 
@@ -122,8 +123,11 @@ def main(argv=None) -> int:
                                            limit_concurrency=None))
     print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size} on "
           f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on its way out:
+        signal.signal(sig, lambda signum, _frame: received.append(signum))  # land here, not in the default
     try:
-        server.run()  # returns after SIGINT/SIGTERM (uvicorn's handlers)
+        server.run()  # returns after SIGINT/SIGTERM (uvicorn's handlers stop accepting, finish, return)
     finally:
         state.loop.stop()
     if state.loop.error:
@@ -131,6 +135,8 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(1)
     destroy_tp_group(group)
+    print(f"[rank 0] stopped ({'signal ' + str(received[0]) if received else 'server exit'}); exit 0",
+          file=sys.stderr, flush=True)
     return 0
 
 

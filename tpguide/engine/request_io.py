@@ -7,7 +7,9 @@ Request line (field names follow vLLM's structured-outputs parameters)::
                           | {"grammar": str} | {"json_object": true}
                           | {"structural_tag": ...} | null,
      "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-     "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool}
+     "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool,
+     "stop": [str], "presence_penalty": float, "frequency_penalty": float,
+     "repetition_penalty": float, "logit_bias": {"token_id": float}}
 
 A line that cannot be parsed or validated becomes a request that is already
 finished with ``finish_reason="error"``: it still gets its output line, in
@@ -26,10 +28,12 @@ from tpguide.engine.sampling_params import SamplingParams
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
-     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos"}
+     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "stop", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "logit_bias"}
 )
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
-                    "ignore_eos")
+                    "ignore_eos", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias")
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:

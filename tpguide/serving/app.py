@@ -201,9 +201,8 @@ def create_app(state: ServerState) -> FastAPI:
                         yield sse_event(APIError(500, f"generation failed: {item.error}", "server_error").to_json())
                         finals[item.request_id] = item
                         break
-                    entries = streams[order[item.request_id]].on_output(item)
-                    if entries:
-                        yield sse_event(chunk(parsed, rid, created, entries))
+                    for entry in streams[order[item.request_id]].on_output(item):  # one choice per chunk
+                        yield sse_event(chunk(parsed, rid, created, [entry]))
                     if item.finished:
                         finals[item.request_id] = item
                         if len(finals) == len(ids):

@@ -75,13 +75,19 @@ def tool_calls_json(calls: Sequence[tuple]) -> List[Dict[str, Any]]:
 
 
 def chat_message(text: str, tools: Optional[ToolPlan], finish_reason: str) -> tuple:
-    """(message, finish_reason) of a chat choice; tool calls are read only from a complete output."""
-    if tools is None or finish_reason != "stop":
+    """(message, finish_reason) of a chat choice.
+
+    Complete calls are tool calls whatever the finish reason (a stream has
+    sent them already); ``finish_reason`` becomes ``"tool_calls"`` only for
+    an output that ended by itself (``"stop"``).
+    """
+    if tools is None:
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = parse_tool_output(text, tools)
-    if not calls:
+    if not calls or (tools.mode == "named" and finish_reason != "stop"):
         return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}, "tool_calls"
+    reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}, reason
 
 
 def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any], token_text: TokenText,
