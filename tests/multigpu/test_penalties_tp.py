@@ -1,5 +1,6 @@
 """Penalties, logit_bias and stop strings through the whole engine: identical tokens at tp 1, 2 and 3 (gloo).
 
+Negative penalties (the random test model never repeats a token by itself) make each one bite.
 Each penalty is applied to each rank's own logits shard; the outputs must
 equal the unsharded run token for token, and each must change the output
 of the same request without it (so the test cannot pass by ignoring it).
@@ -12,12 +13,12 @@ from tpguide.engine import EngineConfig
 from tpguide.engine.offline import generate_on_group
 
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128)
-BASE = {"prompt": "The cat sat on the", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+BASE = {"prompt": "The cat sat on the", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
 REQUESTS = [
     dict(BASE, id="plain"),
-    dict(BASE, id="presence", presence_penalty=2.0),
-    dict(BASE, id="frequency", frequency_penalty=2.0),
-    dict(BASE, id="repetition", repetition_penalty=1.8),
+    dict(BASE, id="presence", presence_penalty=-2.0),
+    dict(BASE, id="frequency", frequency_penalty=-2.0),
+    dict(BASE, id="repetition", repetition_penalty=0.2),
     dict(BASE, id="seeded", temperature=0.8, seed=3, frequency_penalty=1.0, repetition_penalty=1.2),
 ]
 
@@ -39,11 +40,14 @@ def _biased(tiny_model_path):
 
 
 def test_each_penalty_changes_the_output(unsharded):
-    plain = unsharded["plain"]["token_ids"]
+    """Tokens change (repetition, bias); presence/frequency at least change the distributions (logprobs)."""
+    plain = unsharded["plain"]
     for rid in ("presence", "frequency", "repetition", "bias"):
         assert unsharded[rid]["finish_reason"] == "length", unsharded[rid]
-        assert unsharded[rid]["token_ids"] != plain, rid
-    assert unsharded["bias"]["token_ids"][0] != plain[0]
+        assert unsharded[rid]["logprobs"] != plain["logprobs"], rid
+    for rid in ("repetition", "bias"):
+        assert unsharded[rid]["token_ids"] != plain["token_ids"], rid
+    assert unsharded["bias"]["token_ids"][0] != plain["token_ids"][0]
 
 
 @pytest.mark.parametrize("tp_size", [2, 3])
