@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -37,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import jsonschema  # noqa: E402
 
-from tpguide.serving.testing import ROOT, ServerProcess, free_port  # noqa: E402
+from tpguide.serving.testing import ServerProcess, run_generate  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -93,20 +90,8 @@ def engine_flags(args) -> List[str]:
 
 
 def run_offline(args, lines) -> Dict[str, float]:
-    with tempfile.TemporaryDirectory() as d:
-        req, out = os.path.join(d, "r.jsonl"), os.path.join(d, "o.jsonl")
-        with open(req, "w") as f:
-            f.writelines(json.dumps(x) + "\n" for x in lines)
-        gen = [os.path.join(ROOT, "launch", "generate.py"), "--requests", req, "--output", out, *engine_flags(args)]
-        cmd = [sys.executable, *gen] if args.tp == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
-            "--master-port", str(free_port()), *gen]
-        env = dict(os.environ, PYTHONPATH=ROOT, TPGUIDE_BACKEND="gloo")
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.time_limit)
-        if res.returncode != 0:
-            raise RuntimeError(f"generate.py failed:\n{res.stderr[-3000:]}")
-        m = re.search(r"(\d+) requests, (\d+) generated tokens in ([0-9.]+) s", res.stdout)
-        outs = [json.loads(x) for x in open(out)]
+    outs, stdout = run_generate(args.tp, lines, engine_flags(args), timeout_s=args.time_limit)
+    m = re.search(r"(\d+) requests, (\d+) generated tokens in ([0-9.]+) s", stdout)
     invalid = sum(o["finish_reason"] == "stop" and not is_valid(x, o["text"]) for o, x in zip(outs, lines))
     wall = float(m.group(3))
     return {"requests": int(m.group(1)), "tokens": int(m.group(2)), "wall_s": wall,

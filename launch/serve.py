@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         return _serve_worker(engine, group)
     import uvicorn
 
-    from tpguide.serving.server import make_server_state
+    from tpguide.serving.server import make_precompile, make_server_state
     from tpguide.serving.tool_calls import ToolCallFormat
 
     state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
                               tool_format=ToolCallFormat(args.tool_call_begin, args.tool_call_end))
     from tpguide.serving.app import create_app
 
-    state.loop.start()
+    state.loop.start()  # heartbeats from now on
+    state.precompile = make_precompile(engine, state.metrics)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=2,
                                            limit_concurrency=None))

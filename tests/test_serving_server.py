@@ -16,7 +16,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tpguide.serving.testing import ServerProcess
+from tpguide.serving.protocol import parse_request
+from tpguide.serving.testing import ServerProcess, run_generate
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -273,6 +274,60 @@ def test_metrics_exposition(server):
         assert name in text, name
     assert metric(server, "tpguide:generation_tokens_total") > 0
     assert metric(server, "tpguide:grammar_cache_hits_total") >= 1  # the streamed tool request reused its grammar
+
+
+def post(server, endpoint, body):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    r = httpx.post(server.base_url + path, json={"model": MODEL, **body}, timeout=600,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def agreement_cases(server):
+    """(endpoint, body) pairs: greedy, seeded, completion, guided, each penalty, logit_bias, a stop string."""
+    sea = user("Write about the sea, the sea, and the sea again.")
+    plain = {"messages": sea, "temperature": 0, "max_tokens": 16, "logprobs": True}
+    first = post(server, "chat", {**plain, "return_token_ids": True})["choices"][0]["token_ids"][0]
+    plain_text = post(server, "chat", plain)["choices"][0]["message"]["content"]
+    return [("chat", plain),
+            ("chat", {"messages": user("Name three colours."), "temperature": 0.8, "seed": 21, "max_tokens": 16}),
+            ("completion", {"prompt": "The capital of Italy is", "temperature": 0, "max_tokens": 8}),
+            ("chat", {"messages": user("A person as JSON."), "temperature": 0, "max_tokens": 48,
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}),
+            ("chat", {**plain, "presence_penalty": 1.5}),
+            ("chat", {**plain, "frequency_penalty": 1.5}),
+            ("chat", {**plain, "repetition_penalty": 1.5}),
+            ("chat", {**plain, "logit_bias": {str(first): -100}}),
+            ("chat", {**plain, "stop": [plain_text.split()[2]]})]
+
+
+def test_server_agrees_with_offline_generate(server):
+    """Same token ids and text as ``launch/generate.py`` on the same request lines; each penalty bites."""
+    cases = agreement_cases(server)
+    answers = [post(server, ep, {**body, "return_token_ids": True})["choices"][0] for ep, body in cases]
+    lines = [parse_request({"model": MODEL, **body}, ep, f"agree{k}").lines[0] for k, (ep, body) in enumerate(cases)]
+    offline, _ = run_generate(1, lines, ["--max-num-seqs", "4", "--max-model-len", "1024", "--quiet"])
+    for (ep, body), ans, off in zip(cases, answers, offline):
+        text = ans["message"]["content"] if ep == "chat" else ans["text"]
+        assert (ans["token_ids"], text) == (off["token_ids"], off["text"]), body
+    plain = answers[0]
+    for ans, (_, body) in zip(answers[4:8], cases[4:8]):  # the penalty changed the tokens or the distributions
+        assert ans["token_ids"] != plain["token_ids"] or ans["logprobs"] != plain["logprobs"], body
+    stop_ans, stop = answers[8], cases[8][1]["stop"][0]
+    assert stop_ans["finish_reason"] == "stop" and stop not in stop_ans["message"]["content"]
+    assert answers[0]["message"]["content"].startswith(stop_ans["message"]["content"] + stop)
+
+
+def test_stop_string_streamed(client):
+    kw = dict(model=MODEL, messages=user("Write about the sea, the sea, and the sea again."), temperature=0,
+              max_tokens=16)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    stop = plain.split()[2]
+    full = client.chat.completions.create(**kw, stop=[stop])
+    text, reasons, _, _ = collect_stream(client.chat.completions.create(**kw, stop=stop, stream=True))
+    assert text == full.choices[0].message.content == plain[:plain.find(stop)]
+    assert reasons == ["stop"] == [full.choices[0].finish_reason]
 
 
 def test_sigterm_stops_the_server_with_status_0(server):

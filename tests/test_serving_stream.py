@@ -75,3 +75,9 @@ def test_completion_answer_and_logprobs(tokenizer):
     assert "".join(choice["logprobs"]["tokens"]) == " one two"
     assert all(len(t) == 1 for t in choice["logprobs"]["top_logprobs"])
     assert ans["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes(tokenizer):
+    tt = TokenText(tokenizer)
+    ids = tokenizer.encode("東京 🚀 ok", add_special_tokens=False)
+    assert bytes(b for t in ids for b in tt.bytes_of(t)).decode("utf-8") == "東京 🚀 ok"

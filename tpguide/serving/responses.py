@@ -15,12 +15,32 @@ from tpguide.serving.protocol import ParsedRequest
 from tpguide.serving.tool_calls import ToolPlan, new_call_id, parse_tool_output
 
 
+def _byte_level_decoder() -> Dict[str, int]:
+    """Inverse of byte-level BPE's byte -> printable character table (GPT-2's ``bytes_to_unicode``)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
 class TokenText:
-    """Token id -> its text and UTF-8 bytes (cached), for logprobs."""
+    """Token id -> its text and its raw bytes (cached), for logprobs.
+
+    A token can hold part of a UTF-8 character: its text is then U+FFFD, and
+    its ``bytes`` are the token's own bytes (byte-level BPE tokenizers), as
+    OpenAI reports them.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: Dict[int, str] = {}
+        self._bytes: Dict[int, List[int]] = {}
+        self._decoder = _byte_level_decoder()
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -28,12 +48,22 @@ class TokenText:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def bytes_of(self, token_id: int) -> List[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(c in self._decoder for c in piece):
+                raw = [self._decoder[c] for c in piece]
+            else:
+                raw = list(self(token_id).encode("utf-8"))
+            self._bytes[token_id] = raw
+        return raw
+
 
 def chat_logprobs(entries: Sequence[Dict[str, Any]], top: int, token_text: TokenText) -> Dict[str, Any]:
     """``choices[i].logprobs`` of a chat answer: ``{"content": [...], "refusal": None}``."""
     def item(token_id: int, logprob: float) -> Dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(token_id), "logprob": logprob, "bytes": token_text.bytes_of(token_id)}
 
     content = [{**item(e["token_id"], e["logprob"]),
                 "top_logprobs": [item(i, lp) for i, lp in e["top"][:top]]} for e in entries]

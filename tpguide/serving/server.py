@@ -21,7 +21,7 @@ def make_precompile(engine, metrics: ServerMetrics):
     """
     from tpguide.guided import StructuredOutputsParams
 
-    backend = engine.driver.guided_decoder().backend  # built now, not raced by two threads later
+    backend = engine.driver.guided_decoder().backend  # built now (before any request), not raced later
 
     def precompile(line: Dict[str, Any]) -> None:
         params = StructuredOutputsParams.from_request(line.get("structured_output"))
@@ -41,12 +41,16 @@ def make_precompile(engine, metrics: ServerMetrics):
 def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
                       max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
                       tool_format: ToolCallFormat) -> ServerState:
-    """The :class:`ServerState` of rank 0 (the engine loop is built, not started; the grammar backend is built)."""
+    """The :class:`ServerState` of rank 0 (the engine loop is built, not started).
+
+    ``precompile`` is None: set it with :func:`make_precompile` after the
+    loop has started, so that the other ranks get heartbeats while the
+    grammar backend is built (seconds).
+    """
     metrics = ServerMetrics(served_model_name)
     loop = EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s)
     return ServerState(loop=loop, tokenizer=engine.driver.tokenizer, served_model_name=served_model_name,
                        metrics=metrics, max_num_seqs=config.max_num_seqs,
                        max_waiting_requests=max_waiting_requests, default_max_tokens=default_max_tokens,
                        max_model_len=config.max_model_len, guided_backend=config.guided_backend,
-                       api_key=api_key, max_body_bytes=max_body_bytes, tool_format=tool_format,
-                       precompile=make_precompile(engine, metrics))
+                       api_key=api_key, max_body_bytes=max_body_bytes, tool_format=tool_format)

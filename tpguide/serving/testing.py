@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +25,43 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                TPGUIDE_BACKEND="gloo", PYTHONUNBUFFERED="1")
+
+
+def _launch(tp_size: int, script: str, args: Sequence[str]) -> List[str]:
+    """``python launch/SCRIPT`` at tp 1, else ``torchrun --nproc-per-node tp_size`` on a free port."""
+    path = [os.path.join(ROOT, "launch", script), *args]
+    if tp_size == 1:
+        return [sys.executable, *path]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp_size),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *path]
+
+
+def run_generate(tp_size: int, lines: Sequence[Dict[str, Any]], args: Sequence[str] = (),
+                 timeout_s: float = 900.0) -> Tuple[List[Dict[str, Any]], str]:
+    """Run ``launch/generate.py`` on request lines; (output lines in input order, its stdout).
+
+    Raises
+    ------
+    RuntimeError
+        generate.py exited non-zero (its stderr is in the message).
+    """
+    import json
+
+    with tempfile.TemporaryDirectory() as d:
+        req, out = os.path.join(d, "requests.jsonl"), os.path.join(d, "outputs.jsonl")
+        with open(req, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+        cmd = _launch(tp_size, "generate.py", ["--requests", req, "--output", out, *args])
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+        if res.returncode != 0:
+            raise RuntimeError(f"generate.py exited {res.returncode}:\n{res.stderr[-4000:]}")
+        with open(out, encoding="utf-8") as f:
+            return [json.loads(x) for x in f if x.strip()], res.stdout
 
 
 class ServerProcess:
@@ -47,16 +84,10 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tpguide-serve-", suffix=".log", delete=False)
 
     def command(self) -> List[str]:
-        serve = [os.path.join(ROOT, "launch", "serve.py"), "--port", str(self.port), *self.args]
-        if self.tp_size == 1:
-            return [sys.executable, *serve]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.tp_size),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *serve]
+        return _launch(self.tp_size, "serve.py", ["--port", str(self.port), *self.args])
 
     def start(self) -> "ServerProcess":
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   TPGUIDE_BACKEND="gloo", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.wait_healthy()
         return self
