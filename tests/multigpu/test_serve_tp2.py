@@ -99,7 +99,15 @@ def test_idle_longer_than_the_collective_timeout(server, client):
 
 
 def test_sigterm_ends_every_rank_with_status_0(server):
-    rc = server.stop(signal.SIGTERM, timeout_s=60)
+    """SIGTERM to torchrun (as ``docker stop`` / systemd do): it forwards it to both ranks, which shut down.
+
+    Each rank returns 0 (it says so last); torchrun itself then re-raises the
+    signal it got, its own design, so its status is 1.  No process is left.
+    """
+    start = time.monotonic()
+    server.stop(signal.SIGTERM, timeout_s=60)
     log = server.log_text()
-    assert "[rank 0] stopped" in log and "[rank 1] stopped; exit 0" in log, log[-3000:]
-    assert rc == 0, log[-3000:]
+    assert "[rank 0] stopped (signal 15); exit 0" in log and "[rank 1] stopped; exit 0" in log, log[-3000:]
+    assert "ChildFailedError" not in log and "no stop plan" not in log, log[-3000:]
+    assert server.orphans_left is False
+    assert time.monotonic() - start < 60

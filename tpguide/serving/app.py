@@ -164,6 +164,8 @@ def create_app(state: ServerState) -> FastAPI:
                     raise APIError(503, str(item), "server_error", code="engine_dead")
                 if item.finish_reason == "abort":
                     raise APIError(499, "the client closed the request", "client_closed_request")
+                if item.finish_reason == "error" and not item.token_ids:  # refused at admission: 400 now
+                    raise bad_request(item.error or "request failed")
                 if item.finished:
                     finals[item.request_id] = item
         finally:

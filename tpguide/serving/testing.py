@@ -81,6 +81,8 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
+        #: after :meth:`stop`: whether processes of the server's group outlived it (then SIGKILLed)
+        self.orphans_left: Optional[bool] = None
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tpguide-serve-", suffix=".log", delete=False)
 
     def command(self) -> List[str]:
@@ -124,9 +126,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the group this object created (ranks, if any left)
+            os.killpg(self.proc.pid, 0)  # anyone left in the group this object created?
+            self.orphans_left = True
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
+            self.orphans_left = self.orphans_left or False
         self.proc.wait()
         return self.proc.returncode
 
