@@ -34,8 +34,9 @@ from tpguide.engine.offline import build_engine  # noqa: E402
 
 def run_once(engine, max_tokens: int):
     """(token ids per request, wall seconds, engine steps) of one demo run."""
+    before = engine.driver.num_steps
     tokens, wall = run_tpguide(engine, DEMO_REQUESTS, max_tokens)
-    return tokens, wall, engine.driver.num_steps
+    return tokens, wall, engine.driver.num_steps - before
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -36,6 +36,7 @@ from engine_flags import add_engine_flags, engine_config_from_args  # noqa: E402
 from failure_policy import run_main  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
+from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
 from tpguide.engine import RequestOutput, build_engine  # noqa: E402
 from tpguide.engine.output_stream import load_finished, open_partial  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
     group = init_tp_group(timeout_s=args.collective_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
     engine = build_engine(group, args.model, config)
+    if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
+        engine.runner.on_step = step_fault_hook(group)
     if not group.is_driver:
         engine.run_worker()
         destroy_tp_group(group)

@@ -90,6 +90,31 @@ def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, refe
     assert_only_failed(outputs, reference, "guided", 2)
 
 
+def test_matcher_error_while_filling_is_reported_with_its_reason(tiny_model_path, reference, monkeypatch):
+    add_request = GuidedDecoder.add_request
+
+    def tagging_add_request(self, slot, params):
+        add_request(self, slot, params)
+        if params is not None and params.regex == DEAD_REGEX:
+            self._matchers[slot].raise_after = 2
+
+    fill = XGrammarMatcher.fill_next_token_bitmask
+
+    def raising_fill(self, bitmask, row):
+        if self.num_accepted_tokens >= getattr(self, "raise_after", math.inf):
+            raise RuntimeError("matcher state corrupted (injected)")
+        fill(self, bitmask, row)
+
+    monkeypatch.setattr(GuidedDecoder, "add_request", tagging_add_request)
+    monkeypatch.setattr(XGrammarMatcher, "fill_next_token_bitmask", raising_fill)
+    outputs = run(tiny_model_path)
+    failed = outputs["guided"]
+    assert failed["finish_reason"] == "error" and "dead end" not in failed["error"]
+    assert "at step 3 after 2 generated tokens" in failed["error"]
+    assert "matcher error while filling the bitmask: matcher state corrupted (injected)" in failed["error"]
+    assert_only_failed(outputs, reference, "guided", 2)
+
+
 def test_nonfinite_ranks_and_descriptions():
     import torch
 

@@ -6,7 +6,8 @@ per step::
 
     planned = driver.plan_step(...)          # a PlannedStep value (tpguide/engine/planner.py)
     filled  = driver.fill_bitmask(planned)   # in a thread, while the forward runs
-    outputs = driver.finish_step(planned, result, filled)
+    result  = runner.execute(planned.plan, <the filled rows>)   # every rank (tpguide/worker/runner.py)
+    outputs = driver.finish_step(planned, result)
 
 Everything here fails per request: a bad prompt, a grammar that does not
 compile, a dead end or a matcher error finishes that request with
@@ -27,7 +28,7 @@ from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import Scheduler
 from tpguide.engine.step_finisher import StepFinisher
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
-from tpguide.speculative.verify import make_speculator
+from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepResult
 
 #: ``(token_bitmask [R, bitmask_size], token_mask [R], failed sample rows)`` of one fill.
@@ -52,7 +53,9 @@ class Driver:
         self.config = config
         self.padded_vocab_size = padded_vocab_size
         self.guided: Optional[GuidedDecoder] = None  # built on the first guided request (takes a few seconds)
-        self.spec = make_speculator(config)  # None unless speculative decoding is on
+        self.spec: Optional[Speculator] = None  # drafting and verification, with speculative decoding
+        if config.speculative_method is not None:
+            self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    propose_drafts=self.spec.propose if self.spec else None)
         self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec,
@@ -117,17 +120,19 @@ class Driver:
     # ------------------------------------------------------------ step boundary
     def take_finished_outside_steps(self) -> List[RequestOutput]:
         """Apply pending aborts; final outputs of requests that finished outside a step."""
-        aborts, self._aborts = self._aborts, []
-        for request_id in aborts:
-            for req in list(self.scheduler.waiting) + list(self.scheduler.running.values()):
-                if req.request_id == request_id and not req.is_finished:
-                    req.finish("abort")
-                    if req in self.scheduler.waiting:
-                        self.scheduler.waiting.remove(req)
-                        self._unreported.append(req)
-                    else:
-                        self._release(req)
-                        self._unreported.append(req)
+        aborts, self._aborts = set(self._aborts), []
+        if aborts:
+            waiting = self.scheduler.waiting
+            for req in [r for r in waiting if r.request_id in aborts]:
+                req.finish("abort")
+                self._unreported.append(req)
+            kept = [r for r in waiting if not r.is_finished]
+            waiting.clear()
+            waiting.extend(kept)
+            for req in [r for r in self.scheduler.running.values() if r.request_id in aborts and not r.is_finished]:
+                req.finish("abort")
+                self._release(req)  # slot, bitmask row and matcher; the KV slot is overwritten by its next user
+                self._unreported.append(req)
         outputs = [self.output_of(req) for req in self._unreported]
         self._unreported.clear()
         return outputs
@@ -167,16 +172,16 @@ class Driver:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
         return token_bitmask, token_mask, list(failed)
 
-    def bitmask_slices(self, filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
-        token_bitmask, token_mask, _ = filled
-        return token_mask, split_bitmask(token_bitmask, tp_size)
+    @staticmethod
+    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor], List[int]]:
+        """``(token_mask, per-rank word slices, failed rows)`` of a fill, for the scatter."""
+        token_bitmask, token_mask, failed = filled
+        return token_mask, split_bitmask(token_bitmask, tp_size), failed
 
-    def finish_step(self, planned: PlannedStep, result: StepResult,
-                    filled: Optional[Filled] = None) -> List[RequestOutput]:
-        """Apply the step's result; the outputs of the requests that changed."""
+    def finish_step(self, planned: PlannedStep, result: StepResult) -> List[RequestOutput]:
+        """Apply the step's result (:mod:`tpguide.engine.step_finisher`); the outputs of the requests that changed."""
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, filled[2] if filled is not None else ())
+        self.finisher.finish(planned, result, self.guided)
         outputs = []
         for s in planned.scheduled:
             req = s.request

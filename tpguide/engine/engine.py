@@ -27,6 +27,7 @@ step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
 
@@ -103,11 +104,11 @@ class Engine:
             pending finished outputs (maybe none) at once, and no collective.
         """
         drv = self._require_driver()
-        outputs = drv.take_finished_outside_steps()
-        if not drv.has_work():
-            return outputs
         in_step = False
         try:
+            outputs = drv.take_finished_outside_steps()
+            if not drv.has_work():
+                return outputs
             draft = self._draft if self.draft_head is not None else None
             in_step = draft is not None  # the drafting loop runs collectives
             planned = drv.plan_step(draft)
@@ -119,7 +120,7 @@ class Engine:
             result = self.runner.execute(
                 planned.plan, (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None)
             in_step = False
-            return outputs + drv.finish_step(planned, result, filling.result() if filling else None)
+            return outputs + drv.finish_step(planned, result)
         except Exception as exc:
             if not in_step:
                 C.broadcast_object(Message.abort(exc), self.group)
@@ -167,16 +168,28 @@ class Engine:
             raise ValueError(f"generate() needs requests with distinct indices, got {indices}")
         final = {}
         with tqdm(total=len(requests), desc="requests", unit="req", disable=not progress) as bar:
-            for req in requests:
-                self.add_request(req)
+            with self._between_steps():
+                for req in requests:
+                    self.add_request(req)
             while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished:
-                        final[out.index] = out
-                        bar.update(1)
-                        if on_output is not None:
-                            on_output(out)
+                outputs = self.step()  # reports its own failures to the other ranks
+                with self._between_steps():
+                    for out in outputs:
+                        if out.finished:
+                            final[out.index] = out
+                            bar.update(1)
+                            if on_output is not None:
+                                on_output(out)
         return [final[i] for i in indices]
+
+    @contextlib.contextmanager
+    def _between_steps(self):
+        """Driver code between steps: an exception is sent to the waiting ranks as ABORT, then re-raised."""
+        try:
+            yield
+        except Exception as exc:
+            C.broadcast_object(Message.abort(exc), self.group)
+            raise
 
     def _require_driver(self) -> Driver:
         if self.driver is None:

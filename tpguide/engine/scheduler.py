@@ -38,7 +38,7 @@ class ScheduledRequest:
         prompt chunk); a non-final prompt chunk's sample is discarded.
     num_draft_tokens : int
         Decode only: ``token_ids[1:]`` are draft tokens to verify
-        (speculative decoding, :mod:`tpguide.engine.speculative`).
+        (speculative decoding, :mod:`tpguide.speculative.verify`).
     """
 
     request: Request

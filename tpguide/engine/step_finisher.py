@@ -51,18 +51,16 @@ class StepFinisher:
         self.spec = speculator
         self.detokenize = detokenize
 
-    def finish(self, planned: PlannedStep, result: StepResult, guided, failed_rows=()) -> None:
+    def finish(self, planned: PlannedStep, result: StepResult, guided) -> None:
         """Apply one step's result to its requests (see the module docstring).
 
         Parameters
         ----------
         guided : GuidedDecoder or None
             The driver's matchers.
-        failed_rows : sequence of int
-            Sample rows whose bitmask fill failed (their request fails first).
         """
         step = planned.number
-        for row in failed_rows:
+        for row in result.dead_end_rows:  # the bitmask fill failed there: the request fails first
             self._fail_guided_row(planned.owner_of_row(row).request, guided, step)
         now = time.perf_counter()
         for i, s in enumerate(planned.scheduled):

@@ -146,11 +146,6 @@ class GuidedBackend(abc.ABC):
         with self._lock:
             return (self.name,) + params.cache_key in self._cache
 
-    @property
-    def num_cached(self) -> int:
-        """Compiled guides currently cached."""
-        return len(self._cache)
-
     @abc.abstractmethod
     def _compile(self, guide_type: str, guide_text: str) -> Any:
         """Compile one guide; raise ValueError with the backend's message on bad input."""

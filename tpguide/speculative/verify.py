@@ -30,7 +30,7 @@ step's token budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 from tpguide.guided.spec_counters import num_accepted_drafts
 from tpguide.speculative.ngram import NgramProposer
@@ -167,10 +167,3 @@ class Verification:
     num_accepted: int
     token_ids: List[int]
     rows: List[int]
-
-
-def make_speculator(config) -> Optional[Speculator]:
-    """The :class:`Speculator` of an ``EngineConfig``, or None when speculation is off."""
-    if getattr(config, "speculative_method", None) is None:
-        return None
-    return Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)

@@ -43,7 +43,7 @@ class StepPlan:
     Token positions have ONE source, ``context_lens``: the model's positions
     (RoPE) and the KV-cache write positions are both
     ``context_lens[s] + i`` for the ``i``-th new token of sequence ``s``
-    (:attr:`tpguide.model.attention.AttentionMetadata.token_positions`).
+    (``AttentionMetadata.token_positions`` of :mod:`tpguide.model.attention`).
 
     Attributes
     ----------

@@ -17,14 +17,13 @@ plan channel until STOP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.dist.fault_inject import step_fault_hook
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.penalties import apply_penalties_inplace
@@ -32,9 +31,10 @@ from tpguide.sampling.prompt_logprobs import PromptLogprobs
 from tpguide.worker.group_exchange import compute_prompt_logprobs, sample
 from tpguide.worker.messages import DriverAborted, Message, MessageKind, StepPlan
 
-#: On the driver: returns ``(token_mask int32 [R], word slices)`` once the rows are filled;
-#: slice ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``.
-BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor]]]
+#: On the driver: returns ``(token_mask int32 [R], word slices, failed rows)`` once the rows are
+#: filled; slice ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``; failed rows
+#: (a dead end, or a matcher that raised) have ``token_mask`` 0 and their sample is discarded.
+BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int]]]
 
 #: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
 PROMPT_ROW_BLOCK = 256
@@ -57,6 +57,8 @@ class StepResult:
         Why each bad row is bad, naming the ranks whose shard held a NaN / ``+inf``.
     prompt_logprobs : PromptLogprobs or None
         Rows of ``plan.selected_prompt_indices``, in plan order.
+    dead_end_rows : list of int
+        Sample rows whose bitmask fill failed (driver only; empty elsewhere).
     """
 
     token_ids: List[int]
@@ -66,6 +68,7 @@ class StepResult:
     bad_rows: List[bool]
     bad_row_notes: Dict[int, str]
     prompt_logprobs: Optional[PromptLogprobs] = None
+    dead_end_rows: List[int] = field(default_factory=list)
 
 
 class StepRunner:
@@ -83,7 +86,9 @@ class StepRunner:
     def __init__(self, model, group: TPGroup, draft_head=None) -> None:
         self.model, self.group, self.draft_head = model, group, draft_head
         self.shard = model.vocab_shard
-        self._on_step = step_fault_hook(group)  # a no-op unless TPGUIDE_FAULT_INJECT names this rank
+        #: called at the start of every step; ``launch/generate.py`` sets it to
+        #: :func:`tpguide.dist.fault_inject.step_fault_hook` when ``TPGUIDE_FAULT_INJECT`` is set (tests only)
+        self.on_step: Optional[Callable[[], None]] = None
 
     def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSource] = None) -> StepResult:
         """Run one step on this rank (a collective: every rank calls it with the same plan).
@@ -98,7 +103,8 @@ class StepRunner:
         -------
         StepResult
         """
-        self._on_step()
+        if self.on_step is not None:
+            self.on_step()
         dev = self.group.device
         meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
         hidden = self.model(plan.input_ids.to(dev), meta.token_positions, meta)  # [T, H]
@@ -109,8 +115,9 @@ class StepRunner:
         logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
         if plan.sampling.penalties is not None:  # each rank its own shard: exact at every tp size
             apply_penalties_inplace(logits, plan.sampling.penalties.to(dev), self.shard.vocab_start_index)
+        dead_end_rows: List[int] = []
         if plan.guided:
-            self._apply_bitmask(logits, bitmask)
+            dead_end_rows = self._apply_bitmask(logits, bitmask)
         out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
         bad = out.bad_rows.cpu().tolist()
         notes: Dict[int, str] = {}
@@ -120,22 +127,23 @@ class StepRunner:
             notes = describe_bad_rows(nonfinite_ranks(logits, self.group))
         return StepResult(token_ids=out.token_ids.cpu().tolist(), logprobs=out.logprobs.cpu(),
                           top_logprob_ids=out.top_logprob_ids.cpu(), top_logprobs=out.top_logprobs.cpu(),
-                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
+                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt, dead_end_rows=dead_end_rows)
 
-    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
-        """Receive this rank's token_mask and word slice, apply it to ``logits`` in place."""
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> List[int]:
+        """Receive this rank's token_mask and word slice, apply it to ``logits`` in place; the failed rows."""
         num_rows = logits.shape[0]
         dev = self.group.device
         words = self.shard.bitmask_size // self.group.tp_size
         token_mask = torch.zeros(num_rows, dtype=torch.int32)
-        slices = None
+        slices, failed = None, []
         if self.group.is_driver:
-            token_mask, slices = bitmask()
+            token_mask, slices, failed = bitmask()
         token_mask = C.broadcast_tensor(token_mask.to(dev), self.group)
         local = torch.empty((num_rows, words), dtype=torch.int32, device=dev)
         C.scatter_tensor(local, None if slices is None else [s.to(dev) for s in slices], self.group)
         apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
                                     vocab_start_index=self.shard.vocab_start_index)
+        return list(failed)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> PromptLogprobs:
         """Prompt logprobs of ``plan.selected_prompt_indices``, in blocks of :data:`PROMPT_ROW_BLOCK` rows."""
