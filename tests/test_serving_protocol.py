@@ -78,8 +78,8 @@ def test_structured_outputs_and_legacy_fields():
 
 def test_bad_structured_output_gets_the_offline_message():
     (line,) = chat(structured_outputs={"regexp": "a"}).lines
-    with pytest.raises(ValueError, match="unknown structured_output keys"):
-        request_from_dict(line, 0, 16)
+    req = request_from_dict(line, 0, 16)  # bad input: a request already failed with the message
+    assert req.finish_reason == "error" and "unknown structured_output keys" in req.error
 
 
 def test_logprobs_mapping():
@@ -115,7 +115,7 @@ def test_messages_rendering():
     assert out[0] == {"role": "system", "content": "be nice"}
     assert out[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
-    request_from_dict(line, 0, 8)  # the request line accepts what the server builds
+    assert not request_from_dict(line, 0, 8).is_finished  # the request line accepts what the server builds
     with pytest.raises(APIError, match="content part type 'image_url'"):
         chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(APIError, match="role must be one of"):
