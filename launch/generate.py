@@ -28,67 +28,30 @@ import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from engine_flags import add_engine_flags, engine_config_from_args  # noqa: E402
+from failure_policy import run_main  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
-from tpguide.dist.group import DEFAULT_TIMEOUT_S  # noqa: E402
-from tpguide.engine import EngineConfig, RequestOutput, build_engine  # noqa: E402
+from tpguide.engine import RequestOutput, build_engine  # noqa: E402
 from tpguide.engine.output_stream import load_finished, open_partial  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
-from tpguide.worker.messages import DriverAborted  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local Hugging Face directory (config.json, *.safetensors, tokenizer) or a "
-                                   "FILE.gguf of a supported architecture (converted once to the cache); "
-                                   "default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--requests", help="JSON-lines requests file; default: the built-in demo")
     p.add_argument("--output", help="JSON-lines output file (one line per request, input order)")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="max_tokens of requests that do not set it (default 64)")
-    p.add_argument("--max-num-seqs", type=int, default=16,
-                   help="requests running at once: KV-cache slots, bitmask rows (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
-    p.add_argument("--max-model-len", type=int, default=2048,
-                   help="prompt + generated tokens per request (default 2048)")
-    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
-                   help="grammar engine (default xgrammar)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="weights and activations; logits are fp32 (default float32)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
-    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
-                   help="draft tokens verified by the model each decode step (ngram: prompt lookup; "
-                        "draft-head: the model's first layers + a pruned vocab-parallel LM head); "
-                        "output tokens are the same as without it")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="most drafts per request per step, 1..16 (default 4 with --speculative-method)")
-    p.add_argument("--draft-num-layers", type=int, default=None,
-                   help="draft-head: target layers the drafter runs (default: a third, rounded up)")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft-head: token ids the draft LM head predicts, the first ids + the stop tokens "
-                        "(default 8192)")
-    p.add_argument("--no-draft-lens", dest="draft_lens", action="store_false",
-                   help="draft-head: no tuned-lens translator after the drafter's last layer (by default one "
-                        "is fitted on built-in calibration text at the first start, about 15 s for the "
-                        "embedded model on 2 CPU cores, and cached)")
+    add_engine_flags(p)
     p.add_argument("--resume", action="store_true",
                    help="keep requests already in --output or --output.partial (errors included) "
                         "and run only the others")
     p.add_argument("--retry-errors", action="store_true",
                    help="with --resume: rerun requests whose stored line has finish_reason 'error'")
-    p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds a rank waits in a collective before failing (default {DEFAULT_TIMEOUT_S:g}); "
-                        "a dead rank is noticed sooner (closed sockets, torchrun's agent)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-request report")
     return p.parse_args(argv)
 
@@ -122,18 +85,9 @@ def report(outputs, requests, tp_size: int, wall_s: float, fresh) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    _check_draft_flags(args)
-    if args.collective_timeout <= 0:
-        raise ValueError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
+    config = engine_config_from_args(args)
     group = init_tp_group(timeout_s=args.collective_timeout)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
-    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, guided_backend=args.guided_backend,
-                          seed=args.seed, dtype=DTYPES[args.dtype],
-                          speculative_method=args.speculative_method,
-                          num_speculative_tokens=_num_speculative_tokens(args),
-                          draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
-                          draft_lens=args.draft_lens)
     engine = build_engine(group, args.model, config)
     if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
         engine.runner.on_step = step_fault_hook(group)
@@ -162,54 +116,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _check_draft_flags(args) -> None:
-    """The draft-head flags need ``--speculative-method draft-head`` (else they would be silently ignored)."""
-    used = [flag for flag, on in (("--draft-num-layers", args.draft_num_layers is not None),
-                                  ("--draft-vocab-size", args.draft_vocab_size is not None),
-                                  ("--no-draft-lens", not args.draft_lens)) if on]
-    if used and args.speculative_method != "draft-head":
-        raise ValueError(f"{', '.join(used)} {'needs' if len(used) == 1 else 'need'} --speculative-method "
-                         f"draft-head, got --speculative-method {args.speculative_method}")
-
-
-def _num_speculative_tokens(args) -> int:
-    if args.num_speculative_tokens is not None:
-        return args.num_speculative_tokens
-    return 4 if args.speculative_method else 0
-
-
-def _in_collective(exc: BaseException) -> bool:
-    """True if ``exc`` was raised inside a ``torch.distributed`` collective (a peer died, a timeout)."""
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    return any("torch/distributed/" in frame.filename.replace(os.sep, "/")
-               for frame in traceback.extract_tb(exc.__traceback__))
-
-
 def run(argv=None) -> int:
-    """:func:`main` with the failure policy: ``[rank R] error: ...`` on stderr, exit status 1.
-
-    Bad input and startup errors (``ValueError``, ``FileNotFoundError``), a
-    driver abort and a failed collective print one line; anything else
-    prints its traceback first.  ``os._exit`` skips interpreter teardown,
-    which could block on a process group whose peers are gone.
-    """
-    rank = os.environ.get("RANK", "0")
-    try:
-        return main(argv)
-    except (ValueError, FileNotFoundError, DriverAborted) as exc:
-        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
-    except Exception as exc:  # noqa: BLE001 - every failure exits 1
-        if _in_collective(exc):
-            first = (str(exc).strip().splitlines() or [""])[0]
-            print(f"[rank {rank}] error: a collective failed: another rank died or timed out "
-                  f"(torchrun's summary names the first failed rank): {type(exc).__name__}: {first}",
-                  file=sys.stderr, flush=True)
-        else:  # a bug: show where
-            traceback.print_exc()
-            print(f"[rank {rank}] error: unexpected {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    """:func:`main` with the failure policy (:func:`failure_policy.run_main`)."""
+    return run_main(main, argv)
 
 
 if __name__ == "__main__":

@@ -71,9 +71,25 @@ def admit_request(req: Request, tokenizer, config, compile_guide: Callable) -> N
             f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling_params.max_tokens}) = "
             f"{total} exceeds max_model_len={limit}"
         )
+    _check_stop_and_penalties(req, len(tokenizer), config)
     if req.structured_output is not None:
         compile_guide(req.structured_output)
     if req.sampling_params.seed is not None:
         req.seed = req.sampling_params.seed
     else:
         req.seed = (config.seed * 1_000_003 + req.index) % (2**63 - 1)
+
+
+def _check_stop_and_penalties(req: Request, tokenizer_vocab_size: int, config) -> None:
+    """Refuse what could not be honoured: a stop string cutting a guided output, penalties with drafts."""
+    sp = req.sampling_params
+    if sp.stop and req.structured_output is not None:
+        raise ValueError(f"stop strings {list(sp.stop)} cannot be combined with structured_output: the output "
+                         "cut at a stop string would not satisfy its guide")
+    if sp.has_penalties and config.speculative_method is not None:
+        raise ValueError("presence/frequency/repetition penalties and logit_bias are not supported with "
+                         f"speculative decoding (speculative_method={config.speculative_method!r})")
+    bad = [t for t, _ in sp.logit_bias if t >= tokenizer_vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad} are outside the tokenizer's vocabulary "
+                         f"[0, {tokenizer_vocab_size})")

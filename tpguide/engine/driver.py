@@ -58,7 +58,8 @@ class Driver:
             self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    propose_drafts=self.spec.propose if self.spec else None)
-        self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec)
+        self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec,
+                                     detokenize=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
         self.num_steps = 0
         self._unreported: deque = deque()  # finished outside a step (admission errors, aborts)
         self._aborts: List[str] = []
@@ -204,6 +205,8 @@ class Driver:
         start = req.num_reported_tokens
         req.num_reported_tokens = len(ids)
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it
+            text = text[:req.stop_text_cut]
         elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
         want_logprobs = bool(req.sampling_params.logprobs)
         return RequestOutput(

@@ -18,6 +18,7 @@ import torch
 
 from tpguide.engine.scheduler import ScheduledRequest
 from tpguide.sampling.metadata import SamplingMetadata
+from tpguide.sampling.penalties import build_logit_penalties
 from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
 from tpguide.worker.messages import StepPlan
 
@@ -115,6 +116,9 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[St
         sample_positions=inputs.sample_positions.to(torch.int64),
         num_logprobs=max((p.logprobs for p in params), default=0),
         return_logprobs=any(p.logprobs for p in params),  # else the sampler skips log-sum-exp
+        penalties=build_logit_penalties([(params[i], scheduled[i].request.prompt_token_ids,
+                                          scheduled[i].request.output_token_ids) for i in rows])
+        if any(p.has_penalties for p in params) else None,
     )
     prompt_fields, offsets = {}, None
     if inputs.num_prompt_rows:

@@ -40,6 +40,7 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_reported_tokens: int = 0
+    stop_text_cut: Optional[int] = None  # output text length when a stop string finished the request
 
     @property
     def is_finished(self) -> bool:

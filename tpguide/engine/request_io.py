@@ -8,6 +8,8 @@ Request line (field names follow vLLM's structured-outputs parameters)::
                           | {"structural_tag": ...} | null,
      "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
      "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool,
+     "stop": [str], "presence_penalty": float, "frequency_penalty": float,
+     "repetition_penalty": float, "logit_bias": {"token_id": float},
      "chat_template_kwargs": {name: value} | null}   # vLLM's name, e.g. {"enable_thinking": false}
 
 A line that cannot be parsed or validated becomes a request that is already
@@ -27,10 +29,12 @@ from tpguide.engine.sampling_params import SamplingParams
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
-     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "chat_template_kwargs"}
+     "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "stop", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs"}
 )
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
-                    "ignore_eos")
+                    "ignore_eos", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias")
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Tuple
+
+#: Most stop strings per request, and their longest length in characters.
+MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,19 @@ class SamplingParams:
         Keep generating after a stop token (it is still output) until
         ``max_tokens``, as vLLM's ``ignore_eos``; for benchmarks with fixed
         output lengths.  A guided request still ends when its grammar does.
+    stop : tuple of str
+        Stop strings (OpenAI semantics): the request finishes with ``"stop"``
+        as soon as its output text contains one, even across tokens, and
+        the output text is cut before it (a list is accepted).
+    presence_penalty, frequency_penalty : float
+        In [-2, 2]; subtracted from the logit of every token already
+        generated, once / per occurrence (OpenAI's definition).
+    repetition_penalty : float
+        > 0; the logit of every token in the prompt or the output is divided
+        by it when positive, multiplied when negative (CTRL, as vLLM); 1 = off.
+    logit_bias : tuple of (int, float)
+        ``(token_id, bias)`` pairs, bias in [-100, 100], added to the logits
+        (a ``{"token_id": bias}`` dict is accepted).
 
     Raises
     ------
@@ -47,8 +64,20 @@ class SamplingParams:
     logprobs: int = 0
     prompt_logprobs: Optional[int] = None
     ignore_eos: bool = False
+    stop: Tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = ()
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the penalties or ``logit_bias`` is set (the step plan then carries them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def __post_init__(self) -> None:
+        self._check_stop_and_penalties()
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -69,3 +98,37 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be null or an int in [0, 20], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    def _check_stop_and_penalties(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_LEN for x in stop):
+            raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} "
+                             f"characters, got {len(stop)} strings, longest {max(map(len, stop))}")
+        object.__setattr__(self, "stop", tuple(stop))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (math.isfinite(rp) and rp > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        pairs = []
+        try:
+            for k, v in items:
+                tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative ints), got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}")
+                pairs.append((tid, float(v)))
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"logit_bias must be an object {{token_id: bias}}, got {bias!r}") from exc
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError(f"logit_bias names a token id twice: {bias!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))

@@ -11,7 +11,8 @@ and the ranks' :class:`~tpguide.worker.runner.StepResult`.  In order:
    matcher rolled back to the accepted state);
 3. each appended token is checked for the stop conditions, in this order:
    grammar (the matcher rejects it, or is terminated after it: ``"stop"``),
-   stop token (unless ``ignore_eos``), ``max_tokens``, ``max_model_len``.
+   stop token (unless ``ignore_eos``), stop string (:mod:`tpguide.engine.stop_strings`),
+   ``max_tokens``, ``max_model_len``.
 
 :meth:`StepFinisher.finish_stop` is the one place where a request finishes
 with ``"stop"``.
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, Set
+from typing import Callable, Optional, Sequence, Set
 
 from tpguide.engine.planner import PlannedStep
 from tpguide.engine.request import Request
+from tpguide.engine.stop_strings import find_stop_string
 from tpguide.guided.spec_counters import SpecAccountingError
 from tpguide.worker.runner import StepResult
 
@@ -38,12 +40,16 @@ class StepFinisher:
         Ids that end a request with ``"stop"`` (unless ``ignore_eos``).
     max_model_len : int
     speculator : Speculator or None
+    detokenize : callable, optional
+        Token ids -> output text; needed for requests with stop strings.
     """
 
-    def __init__(self, stop_token_ids: Set[int], max_model_len: int, speculator=None) -> None:
+    def __init__(self, stop_token_ids: Set[int], max_model_len: int, speculator=None,
+                 detokenize: Optional[Callable[[Sequence[int]], str]] = None) -> None:
         self.stop_token_ids = stop_token_ids
         self.max_model_len = max_model_len
         self.spec = speculator
+        self.detokenize = detokenize
 
     def finish(self, planned: PlannedStep, result: StepResult, guided) -> None:
         """Apply one step's result to its requests (see the module docstring).
@@ -168,10 +174,19 @@ class StepFinisher:
                 return
         if token in self.stop_token_ids and not req.sampling_params.ignore_eos:
             self.finish_stop(req)
+        elif req.sampling_params.stop and self._hit_stop_string(req):
+            self.finish_stop(req)
         elif len(req.output_token_ids) >= req.sampling_params.max_tokens:
             req.finish("length")
         elif req.num_tokens >= self.max_model_len:
             req.finish("length")
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        cut = find_stop_string(self.detokenize, req.output_token_ids, req.sampling_params.stop)
+        if cut is None:
+            return False
+        req.stop_text_cut = cut
+        return True
 
     def finish_stop(self, req: Request) -> None:
         """The one point where a request finishes with ``"stop"`` (its constraint, if any, is complete)."""

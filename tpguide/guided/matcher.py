@@ -141,6 +141,11 @@ class GuidedBackend(abc.ABC):
                 self._cache.popitem(last=False)
         return compiled
 
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        """True if ``params`` is compiled in the cache (a :meth:`compile` now would be a hit)."""
+        with self._lock:
+            return (self.name,) + params.cache_key in self._cache
+
     @abc.abstractmethod
     def _compile(self, guide_type: str, guide_text: str) -> Any:
         """Compile one guide; raise ValueError with the backend's message on bad input."""

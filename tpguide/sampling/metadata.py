@@ -6,8 +6,12 @@ Split out of :mod:`tpguide.sampling.sampler`, which explains the algorithms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from tpguide.sampling.penalties import LogitPenalties
 
 #: Candidates per rank for rows that use top-p without top-k (first round).
 TOP_P_CANDIDATES = 256
@@ -40,6 +44,9 @@ class SamplingMetadata:
         Absolute position of the token each row produces (tokens, ``>= 0``).
     num_logprobs : int
         Top-n logprobs to return per row (max over the batch); 0 = none.
+    penalties : LogitPenalties or None
+        Sparse penalties and logit biases, applied to each rank's logits
+        shard before masking and sampling (:mod:`tpguide.sampling.penalties`).
     return_logprobs : bool
         Compute :attr:`SamplerOutput.logprobs` (forced on when ``num_logprobs > 0``).
         When off and no row uses top-p alone, the log-sum-exp pass over the
@@ -58,6 +65,7 @@ class SamplingMetadata:
     sample_positions: torch.Tensor
     num_logprobs: int = 0
     return_logprobs: bool = True
+    penalties: Optional["LogitPenalties"] = None
 
     def __post_init__(self) -> None:
         rows = self.temperature.shape
@@ -87,7 +95,9 @@ class SamplingMetadata:
     def to(self, device: torch.device | str) -> "SamplingMetadata":
         """A copy with every tensor on ``device`` (not in place)."""
         moved = {f: getattr(self, f).to(device) for f in ("temperature", "top_k", "top_p", "seeds", "sample_positions")}
-        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs, return_logprobs=self.return_logprobs)
+        penalties = self.penalties.to(device) if self.penalties is not None else None
+        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs, return_logprobs=self.return_logprobs,
+                                penalties=penalties)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
+from tpguide.sampling.penalties import apply_penalties_inplace
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
 from tpguide.worker.group_exchange import compute_prompt_logprobs, sample
 from tpguide.worker.messages import DriverAborted, Message, MessageKind, StepPlan
@@ -112,6 +113,8 @@ class StepRunner:
             prompt = self._prompt_logprobs(hidden, plan)
         rows = plan.selected_token_indices.to(device=dev, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
+        if plan.sampling.penalties is not None:  # each rank its own shard: exact at every tp size
+            apply_penalties_inplace(logits, plan.sampling.penalties.to(dev), self.shard.vocab_start_index)
         dead_end_rows: List[int] = []
         if plan.guided:
             dead_end_rows = self._apply_bitmask(logits, bitmask)

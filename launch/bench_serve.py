@@ -1,0 +1,197 @@
+"""Benchmark the server against the offline path on the same guided requests, in one run.
+
+(a) ``launch/generate.py`` (offline, the same tp size and engine flags) on
+    the request lines: generated tokens per second of generation wall time,
+    as generate.py reports it (startup excluded);
+(b) ``launch/serve.py`` as a subprocess on a free loopback port, driven by
+    ``--clients`` concurrent asyncio streaming clients (httpx, SSE) that
+    share the same requests: requests/s, output tok/s, time to first token
+    and inter-token latency (p50 / p99), errors, and invalid outputs (a
+    ``stop`` output that does not satisfy its guide).
+
+The machine may be shared, so only the ratio server / offline measured in
+the same run means something.  Bounded in count (``--requests``) and time
+(``--time-limit``); loopback only.
+
+Usage::
+
+    python launch/bench_serve.py [--clients 16] [--requests 64] [--max-tokens 32] [--tp 1]
+                                 [--time-limit 600] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx  # noqa: E402
+import jsonschema  # noqa: E402
+
+from tpguide.serving.testing import ServerProcess, run_generate  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+REGEX = r"[0-9]{1,3}(\.[0-9]{1,2})?"
+CHOICES = ["yes", "no", "maybe"]
+TOPICS = ("a baker", "a pilot", "a student", "a painter", "a nurse", "a farmer", "a chess player", "a poet")
+
+
+def make_requests(n: int, max_tokens: int) -> List[Dict[str, Any]]:
+    """``n`` request lines cycling over four guide kinds (seeded sampling, so both paths agree)."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        kind = ("json", "regex", "choice", "json_object")[i % 4]
+        guide, ask = {
+            "json": ({"json": SCHEMA}, f"Invent {topic}; JSON with name and age."),
+            "regex": ({"regex": REGEX}, f"How tall in metres is {topic}? A number only."),
+            "choice": ({"choice": CHOICES}, f"Is {topic} happy? yes, no or maybe."),
+            "json_object": ({"json_object": True}, f"Describe {topic} as a JSON object."),
+        }[kind]
+        out.append({"id": f"b{i}", "messages": [{"role": "user", "content": ask}], "structured_output": guide,
+                    "max_tokens": max_tokens, "temperature": 0.7, "seed": 1000 + i})
+    return out
+
+
+def is_valid(line: Dict[str, Any], text: str) -> bool:
+    g = line["structured_output"]
+    try:
+        if "json" in g:
+            jsonschema.validate(json.loads(text), g["json"])
+        elif "json_object" in g:
+            return isinstance(json.loads(text), dict)
+        elif "regex" in g:
+            return re.fullmatch(g["regex"], text) is not None
+        elif "choice" in g:
+            return text in g["choice"]
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def pct(xs: List[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def engine_flags(args) -> List[str]:
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-new-tokens", str(args.max_tokens)]
+    return flags + (["--model", args.model] if args.model else [])
+
+
+def run_offline(args, lines) -> Dict[str, float]:
+    outs, stdout = run_generate(args.tp, lines, engine_flags(args), timeout_s=args.time_limit)
+    m = re.search(r"(\d+) requests, (\d+) generated tokens in ([0-9.]+) s", stdout)
+    invalid = sum(o["finish_reason"] == "stop" and not is_valid(x, o["text"]) for o, x in zip(outs, lines))
+    wall = float(m.group(3))
+    return {"requests": int(m.group(1)), "tokens": int(m.group(2)), "wall_s": wall,
+            "tok_s": int(m.group(2)) / wall, "req_s": int(m.group(1)) / wall, "invalid": invalid}
+
+
+async def client_loop(http: httpx.AsyncClient, queue: "asyncio.Queue", deadline: float, stats: Dict[str, list],
+                      model: str) -> None:
+    while time.monotonic() < deadline:
+        try:
+            line = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return
+        body = {"model": model, "messages": line["messages"], "max_tokens": line["max_tokens"],
+                "temperature": line["temperature"], "seed": line["seed"], "stream": True,
+                "stream_options": {"include_usage": True}, "structured_outputs": line["structured_output"]}
+        start, last, text, reason, tokens = time.perf_counter(), None, "", None, 0
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    stats["errors"].append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+                    continue
+                async for raw in r.aiter_lines():
+                    if not raw.startswith("data: ") or raw == "data: [DONE]":
+                        continue
+                    ch = json.loads(raw[6:])
+                    if "error" in ch:
+                        stats["errors"].append(ch["error"]["message"])
+                        break
+                    if ch.get("usage"):
+                        tokens = ch["usage"]["completion_tokens"]
+                    for c in ch["choices"]:
+                        piece = c["delta"].get("content") or ""
+                        if piece:
+                            now = time.perf_counter()
+                            if last is None:
+                                stats["ttft"].append(now - start)
+                            else:
+                                stats["itl"].append(now - last)
+                            last = now
+                            text += piece
+                        reason = c["finish_reason"] or reason
+        except httpx.HTTPError as exc:
+            stats["errors"].append(repr(exc))
+            continue
+        stats["tokens"].append(tokens)
+        if reason == "stop" and not is_valid(line, text):
+            stats["invalid"].append(line["id"])
+
+
+async def run_clients(base_url: str, lines, clients: int, time_limit: float, model: str) -> Dict[str, Any]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for x in lines:
+        queue.put_nowait(x)
+    stats: Dict[str, list] = {"ttft": [], "itl": [], "tokens": [], "errors": [], "invalid": []}
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=time_limit, limits=limits) as http:
+        start = time.perf_counter()
+        deadline = time.monotonic() + time_limit
+        await asyncio.gather(*[client_loop(http, queue, deadline, stats, model) for _ in range(clients)])
+        stats["wall_s"] = time.perf_counter() - start
+    return stats
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds, per phase")
+    p.add_argument("--model", default=None)
+    args = p.parse_args(argv)
+    if not (1 <= args.clients <= 256 and 1 <= args.requests <= 4096):
+        raise SystemExit("--clients must be in [1, 256] and --requests in [1, 4096]")
+    lines = make_requests(args.requests, args.max_tokens)
+    offline = run_offline(args, lines)
+    with ServerProcess(args.tp, ["--served-model-name", "bench", "--max-waiting-requests", str(args.requests),
+                                 *engine_flags(args)]) as srv:
+        warm = asyncio.run(run_clients(srv.base_url, lines[:4], 4, args.time_limit, "bench"))  # compile grammars
+        stats = asyncio.run(run_clients(srv.base_url, lines, args.clients, args.time_limit, "bench"))
+    done, tokens, wall = len(stats["tokens"]), sum(stats["tokens"]), stats["wall_s"]
+    ms = 1000.0
+    print(f"bench_serve: {args.requests} guided requests (json schema / regex / choice / json_object, seeded "
+          f"temperature 0.7, max_tokens {args.max_tokens}), tp {args.tp}, {args.clients} streaming clients; "
+          f"warm-up errors {len(warm['errors'])}; the machine may be shared: compare the ratio only")
+    print("| path | requests/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | errors | invalid |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| offline generate.py | {offline['req_s']:.2f} | {offline['tok_s']:.1f} | - | - | 0 | "
+          f"{offline['invalid']} |")
+    print(f"| server, {args.clients} clients | {done / wall:.2f} | {tokens / wall:.1f} | "
+          f"{pct(stats['ttft'], 50) * ms:.0f} / {pct(stats['ttft'], 99) * ms:.0f} | "
+          f"{pct(stats['itl'], 50) * ms:.0f} / {pct(stats['itl'], 99) * ms:.0f} | {len(stats['errors'])} | "
+          f"{len(stats['invalid'])} |")
+    print(f"server / offline throughput: {(tokens / wall) / offline['tok_s']:.2f}")
+    for e in stats["errors"][:5]:
+        print(f"  error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

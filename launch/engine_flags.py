@@ -1,0 +1,71 @@
+"""The engine flags shared by ``launch/generate.py`` and ``launch/serve.py``, and the config they build."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tpguide.dist.group import DEFAULT_TIMEOUT_S
+from tpguide.engine import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 64) -> None:
+    p.add_argument("--model", help="local Hugging Face directory (config.json, *.safetensors, tokenizer) or a "
+                                   "FILE.gguf of a supported architecture (converted once to the cache); "
+                                   "default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens,
+                   help=f"max_tokens of requests that do not set it (default {default_max_new_tokens})")
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="requests running at once: KV-cache slots, bitmask rows (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="prompt + generated tokens per request (default 2048)")
+    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
+                   help="grammar engine (default xgrammar)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="weights and activations; logits are fp32 (default float32)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
+    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
+                   help="draft tokens verified by the model each decode step (ngram: prompt lookup; "
+                        "draft-head: the model's first layers + a pruned vocab-parallel LM head); "
+                        "output tokens are the same as without it")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most drafts per request per step, 1..16 (default 4 with --speculative-method)")
+    p.add_argument("--draft-num-layers", type=int, default=None,
+                   help="draft-head: target layers the drafter runs (default: a third, rounded up)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft-head: token ids the draft LM head predicts, the first ids + the stop tokens "
+                        "(default 8192)")
+    p.add_argument("--no-draft-lens", dest="draft_lens", action="store_false",
+                   help="draft-head: no tuned-lens translator after the drafter's last layer (by default one "
+                        "is fitted on built-in calibration text at the first start, about 15 s for the "
+                        "embedded model on 2 CPU cores, and cached)")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds a rank waits in a collective before failing (default {DEFAULT_TIMEOUT_S:g}); "
+                        "a dead rank is noticed sooner (closed sockets, torchrun's agent)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` of the flags; ValueError on flags that would be ignored or are out of range."""
+    used = [flag for flag, on in (("--draft-num-layers", args.draft_num_layers is not None),
+                                  ("--draft-vocab-size", args.draft_vocab_size is not None),
+                                  ("--no-draft-lens", not args.draft_lens)) if on]
+    if used and args.speculative_method != "draft-head":
+        raise ValueError(f"{', '.join(used)} {'needs' if len(used) == 1 else 'need'} --speculative-method "
+                         f"draft-head, got --speculative-method {args.speculative_method}")
+    if args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
+    k = args.num_speculative_tokens
+    if k is None:
+        k = 4 if args.speculative_method else 0
+    return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, guided_backend=args.guided_backend,
+                        seed=args.seed, dtype=DTYPES[args.dtype], speculative_method=args.speculative_method,
+                        num_speculative_tokens=k, draft_num_layers=args.draft_num_layers,
+                        draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
+                        draft_lens=args.draft_lens)

@@ -1,0 +1,147 @@
+"""An OpenAI-compatible server on a tensor-parallel group.
+
+    torchrun --nproc-per-node N launch/serve.py [--model DIR] [--host 127.0.0.1]
+        [--port 8000] [--served-model-name NAME] [--api-key KEY] [engine flags]
+    python launch/serve.py          # tp 1, the embedded model, loopback only
+
+Rank 0 runs the HTTP server (FastAPI + uvicorn) and exactly one thread that
+steps the engine (the only thread that issues collectives); the other ranks
+follow its plans.  While idle, rank 0 sends a heartbeat every
+``--heartbeat-interval`` seconds, so the waiting ranks never reach
+``--collective-timeout``; a dead rank fails the next heartbeat.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, ``GET /health`` (503 once the engine loop is dead),
+``GET /metrics`` (Prometheus).  See README "Serving".
+
+SIGINT or SIGTERM (to rank 0 or to torchrun, which forwards it): stop
+accepting requests, abort the running ones, send the stop plan, every rank
+exits 0 (within 10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from engine_flags import add_engine_flags, engine_config_from_args  # noqa: E402
+
+from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
+
+#: Seconds a worker rank waits after SIGINT/SIGTERM for rank 0's stop plan before it leaves anyway.
+WORKER_GRACE_S = 8.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the 'model' clients must send (default: the model directory's name)")
+    p.add_argument("--api-key", default=os.environ.get("TPGUIDE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default $TPGUIDE_API_KEY, else none)")
+    p.add_argument("--max-waiting-requests", type=int, default=64,
+                   help="requests queued beyond --max-num-seqs before new ones get 503 + Retry-After (default 64)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body; larger gets 413 (default 4 MiB)")
+    p.add_argument("--heartbeat-interval", type=float, default=None,
+                   help="idle seconds between heartbeat plans (default min(5, --collective-timeout / 4))")
+    p.add_argument("--tool-call-begin", default="<tool_call>", help="tag that opens a tool call (default hermes)")
+    p.add_argument("--tool-call-end", default="</tool_call>", help="tag that closes a tool call")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_engine_flags(p, default_max_new_tokens=256)
+    return p.parse_args(argv)
+
+
+def _serve_worker(engine, group) -> int:
+    """A non-driver rank: follow plans; on a signal wait for the stop plan, leave after a grace period."""
+    def on_signal(signum, _frame):
+        def leave():
+            print(f"[rank {group.tp_rank}] no stop plan {WORKER_GRACE_S:g} s after signal {signum}; exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(0)
+
+        timer = threading.Timer(WORKER_GRACE_S, leave)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    engine.run_worker()
+    destroy_tp_group(group)
+    print(f"[rank {group.tp_rank}] stopped; exit 0", file=sys.stderr, flush=True)
+    return 0
+
+
+def _served_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return os.path.basename(os.path.normpath(args.model))
+    from tpguide.model.default_model import MODEL_DIRNAME
+
+    return MODEL_DIRNAME
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = engine_config_from_args(args)
+    heartbeat = args.heartbeat_interval or min(5.0, args.collective_timeout / 4)
+    if not 0 < heartbeat < args.collective_timeout:
+        raise ValueError(f"--heartbeat-interval must be in (0, --collective-timeout={args.collective_timeout:g}), "
+                         f"got {heartbeat:g}")
+    for name in ("max_waiting_requests", "max_body_bytes"):
+        if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} is out of range: {getattr(args, name)}")
+    group = init_tp_group(timeout_s=args.collective_timeout)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
+    from tpguide.engine import build_engine
+
+    engine = build_engine(group, args.model, config)
+    if not group.is_driver:
+        return _serve_worker(engine, group)
+    import uvicorn
+
+    from tpguide.serving.server import make_precompile, make_server_state
+    from tpguide.serving.tool_calls import ToolCallFormat
+
+    state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
+                              max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+                              default_max_tokens=args.max_new_tokens, heartbeat_s=heartbeat,
+                              tool_format=ToolCallFormat(args.tool_call_begin, args.tool_call_end))
+    from tpguide.serving.app import create_app
+
+    state.loop.start()  # heartbeats from now on
+    state.precompile = make_precompile(engine, state.metrics)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=2,
+                                           limit_concurrency=None))
+    print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size} on "
+          f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on its way out:
+        signal.signal(sig, lambda signum, _frame: received.append(signum))  # land here, not in the default
+    try:
+        server.run()  # returns after SIGINT/SIGTERM (uvicorn's handlers stop accepting, finish, return)
+    finally:
+        state.loop.stop()
+    if state.loop.error:
+        print(f"[rank 0] error: {state.loop.error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    destroy_tp_group(group)
+    print(f"[rank 0] stopped ({'signal ' + str(received[0]) if received else 'server exit'}); exit 0",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from failure_policy import run_main  # the same failure policy as the offline CLI
+
+    sys.exit(run_main(main))

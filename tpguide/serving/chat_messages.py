@@ -1,0 +1,93 @@
+"""OpenAI chat messages -> the ``{"role", "content"}`` strings of a request line.
+
+* ``content`` may be a string or a list of ``{"type": "text", "text": ...}``
+  parts (joined); any other part type (images, audio, files) is refused.
+* ``developer`` is a ``system`` message (OpenAI's newer name).
+* An ``assistant`` message's ``tool_calls`` are written back in the call
+  syntax; a ``tool`` message becomes a user turn wrapped in
+  ``<tool_response>`` (hermes style), since the chat templates of small
+  models have no tool role.
+* With tools, the tool prompt is appended to the first system message (or
+  becomes one).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+from tpguide.serving.errors import bad_request, unsupported
+from tpguide.serving.tool_calls import ToolCallFormat
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"{where}.content[{j}]", f"content part type {kind!r} (only 'text')")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
+                      f"{where}.content")
+
+
+def _tool_calls_text(calls: Any, where: str, fmt: ToolCallFormat) -> str:
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(fmt.render_call(fn["name"], args))
+    return "\n".join(out)
+
+
+def render_messages(messages: Any, fmt: ToolCallFormat, tool_prompt: Optional[str] = None) -> List[Dict[str, str]]:
+    """Plain ``{"role", "content"}`` messages for the request line.
+
+    Raises
+    ------
+    APIError
+        400: not a non-empty list, an unknown role or key, a non-text content part.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
+    out: List[Dict[str, str]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object, got {type(m).__name__}", where)
+        extra = sorted(set(m) - _MESSAGE_KEYS)
+        if extra:
+            raise unsupported(f"{where}.{extra[0]}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {list(_ROLES)}, got {role!r}", f"{where}.role")
+        text = _content_text(m.get("content"), where)
+        if role == "developer":
+            role = "system"
+        if role == "assistant" and m.get("tool_calls"):
+            calls = _tool_calls_text(m["tool_calls"], where, fmt)
+            text = f"{text}\n{calls}" if text else calls
+        if role == "tool":
+            role, text = "user", f"<tool_response>\n{text}\n</tool_response>"
+        out.append({"role": role, "content": text})
+    if tool_prompt:
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tool_prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": tool_prompt})
+    return out

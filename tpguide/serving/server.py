@@ -1,0 +1,56 @@
+"""Assemble the server's state on rank 0: engine loop, metrics, tokenizer, guide precompilation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+from tpguide.serving.app import ServerState
+from tpguide.serving.engine_loop import EngineLoop
+from tpguide.serving.metrics import ServerMetrics
+from tpguide.serving.tool_calls import ToolCallFormat
+
+
+def make_precompile(engine, metrics: ServerMetrics):
+    """``precompile(line)``: compile the line's guide into the driver's grammar cache (worker thread).
+
+    The compile cache is shared with the engine and locked, so the engine
+    loop finds the grammar compiled when the request joins the batch and
+    the other requests keep stepping meanwhile.  Records compile time and
+    cache hits.  Raises ValueError with the backend's message on a bad guide.
+    """
+    from tpguide.guided import StructuredOutputsParams
+
+    backend = engine.driver.guided_decoder().backend  # built now (before any request), not raced later
+
+    def precompile(line: Dict[str, Any]) -> None:
+        params = StructuredOutputsParams.from_request(line.get("structured_output"))
+        if params is None:
+            return
+        if backend.is_cached(params):
+            metrics.grammar_cache_hits.inc()
+            return
+        start = time.perf_counter()
+        backend.compile(params)
+        metrics.grammar_compile.observe(time.perf_counter() - start)
+        metrics.grammar_cache_misses.inc()
+
+    return precompile
+
+
+def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
+                      max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
+                      tool_format: ToolCallFormat) -> ServerState:
+    """The :class:`ServerState` of rank 0 (the engine loop is built, not started).
+
+    ``precompile`` is None: set it with :func:`make_precompile` after the
+    loop has started, so that the other ranks get heartbeats while the
+    grammar backend is built (seconds).
+    """
+    metrics = ServerMetrics(served_model_name)
+    loop = EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s)
+    return ServerState(loop=loop, tokenizer=engine.driver.tokenizer, served_model_name=served_model_name,
+                       metrics=metrics, max_num_seqs=config.max_num_seqs,
+                       max_waiting_requests=max_waiting_requests, default_max_tokens=default_max_tokens,
+                       max_model_len=config.max_model_len, guided_backend=config.guided_backend,
+                       api_key=api_key, max_body_bytes=max_body_bytes, tool_format=tool_format)
