@@ -109,3 +109,19 @@ def test_startup_error_lists_valid_tp_sizes():
     cfg = ModelConfig.from_hf(tiny_hf_config("Gemma3ForCausalLM", VOCAB, intermediate_size=100))
     with pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by tp_size=3.*\[1, 2, 4, 5, 10\]"):
         cfg.check_tp_size(3)
+
+
+def test_qwen2_window_off_reads_the_same_without_transformers(tmp_path):
+    """A plain Qwen2 config.json (read with json alone) with ``use_sliding_window: false`` has no window."""
+    from transformers import AutoConfig
+
+    d = write_random_model(tmp_path, tiny_hf_config("Qwen2ForCausalLM", VOCAB, use_sliding_window=False,
+                                                   sliding_window=4096))
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("layer_types", None)  # released Qwen2 configs have none
+    raw["sliding_window"] = 4096
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_pretrained(d)
+    assert type(cfg.hf_config).__name__ == "SimpleNamespace"  # the json fast path
+    assert cfg.layer_types == () and cfg.sliding_window is None
+    assert cfg == ModelConfig.from_hf(AutoConfig.from_pretrained(d))

@@ -76,6 +76,8 @@ def _eos_ids(*sources: Any) -> tuple:
 
 
 def _layer_types(hf_config: Any, num_layers: int) -> tuple:
+    if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2/3: a sliding_window value alone is inert
+        return ()
     types = getattr(hf_config, "layer_types", None)
     if types:
         return tuple(types)
