@@ -125,3 +125,26 @@ def test_qwen2_window_off_reads_the_same_without_transformers(tmp_path):
     assert type(cfg.hf_config).__name__ == "SimpleNamespace"  # the json fast path
     assert cfg.layer_types == () and cfg.sliding_window is None
     assert cfg == ModelConfig.from_hf(AutoConfig.from_pretrained(d))
+
+
+def _bytes_read(fn):
+    def rchar():
+        return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+    before = rchar()
+    fn()
+    return rchar() - before
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Phi3ForCausalLM"])
+def test_each_rank_reads_only_its_slices(arch, tmp_path):
+    """Bytes read (``/proc/self/io``) by the two ranks of tp 2 add up to one tp-1 load; each reads about half."""
+    d = write_random_model(tmp_path, tiny_hf_config(arch, VOCAB * 4), seed=2)
+    config = ModelConfig.from_pretrained(d)  # config.json and imports outside the measurement
+    whole = _bytes_read(lambda: load_model(d, TPGroup()))
+    # loading talks to no other rank, so a stand-in process group is enough
+    ranks = [_bytes_read(lambda r=r: load_model(d, TPGroup(tp_rank=r, tp_size=2, process_group=object())))
+             for r in range(2)]
+    assert config.num_key_value_heads % 2 == 0  # no zero heads: the halves are exact
+    assert abs(sum(ranks) - whole) < 0.02 * whole, (ranks, whole)
+    assert all(r < 0.52 * whole for r in ranks), (ranks, whole)
