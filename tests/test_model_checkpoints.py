@@ -87,7 +87,7 @@ DYNAMIC_ROPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 
 def test_moe_unknown_rope_and_unknown_family_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM is a mixture-of-experts model \(num_experts=8.*"
-                                         r"supported architectures: LlamaForCausalLM.*Gemma3ForCausalLM$") as moe:
+                                         r"supported architectures: LlamaForCausalLM.*Gemma3ForConditionalGeneration \(text only\)$") as moe:
         ModelConfig.from_pretrained(_config_dir(tmp_path, "moe", MOE))
     with pytest.raises(ValueError, match=r"rope_type 'dynamic' is not supported; supported: .*longrope") as rope:
         ModelConfig.from_pretrained(_config_dir(tmp_path, "rope", DYNAMIC_ROPE))
