@@ -1,11 +1,12 @@
 """tpguide's main job: guided generation on N tensor-parallel ranks.
 
-    torchrun --nproc-per-node N launch/generate.py [--model DIR]
+    torchrun --nproc-per-node N launch/generate.py [--model DIR|FILE.gguf]
         [--requests IN.jsonl] [--output OUT.jsonl] [--max-new-tokens N]
 
 Without ``torchrun`` (``python launch/generate.py``) it runs as a single
 process, tp_size 1, without ``torch.distributed``.  Without ``--model`` it
-uses the embedded SmolLM2-135M-Instruct (converted once to safetensors).
+uses the embedded SmolLM2-135M-Instruct; a ``.gguf`` file of a supported
+architecture is converted once to safetensors in the cache, like the embedded model.
 Without ``--requests`` it runs a built-in demo covering every guide type.
 Only the driver (rank 0) reads requests and writes outputs.
 

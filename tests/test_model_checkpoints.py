@@ -87,7 +87,7 @@ DYNAMIC_ROPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 
 def test_moe_unknown_rope_and_unknown_family_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM is a mixture-of-experts model \(num_experts=8.*"
-                                         r"supported architectures: LlamaForCausalLM.*Gemma3ForCausalLM$") as moe:
+                                         r"supported architectures: LlamaForCausalLM.*Gemma3ForConditionalGeneration \(text only\)$") as moe:
         ModelConfig.from_pretrained(_config_dir(tmp_path, "moe", MOE))
     with pytest.raises(ValueError, match=r"rope_type 'dynamic' is not supported; supported: .*longrope") as rope:
         ModelConfig.from_pretrained(_config_dir(tmp_path, "rope", DYNAMIC_ROPE))
@@ -109,3 +109,42 @@ def test_startup_error_lists_valid_tp_sizes():
     cfg = ModelConfig.from_hf(tiny_hf_config("Gemma3ForCausalLM", VOCAB, intermediate_size=100))
     with pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by tp_size=3.*\[1, 2, 4, 5, 10\]"):
         cfg.check_tp_size(3)
+
+
+def test_qwen2_window_off_reads_the_same_without_transformers(tmp_path):
+    """A plain Qwen2 config.json (read with json alone) with ``use_sliding_window: false`` has no window."""
+    from transformers import AutoConfig
+
+    d = write_random_model(tmp_path, tiny_hf_config("Qwen2ForCausalLM", VOCAB, use_sliding_window=False,
+                                                   sliding_window=4096))
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("layer_types", None)  # released Qwen2 configs have none
+    raw["sliding_window"] = 4096
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_pretrained(d)
+    assert type(cfg.hf_config).__name__ == "SimpleNamespace"  # the json fast path
+    assert cfg.layer_types == () and cfg.sliding_window is None
+    assert cfg == ModelConfig.from_hf(AutoConfig.from_pretrained(d))
+
+
+def _bytes_read(fn):
+    def rchar():
+        return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+    before = rchar()
+    fn()
+    return rchar() - before
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Phi3ForCausalLM"])
+def test_each_rank_reads_only_its_slices(arch, tmp_path):
+    """Bytes read (``/proc/self/io``) by the two ranks of tp 2 add up to one tp-1 load; each reads about half."""
+    d = write_random_model(tmp_path, tiny_hf_config(arch, VOCAB * 4), seed=2)
+    config = ModelConfig.from_pretrained(d)  # config.json and imports outside the measurement
+    whole = _bytes_read(lambda: load_model(d, TPGroup()))
+    # loading talks to no other rank, so a stand-in process group is enough
+    ranks = [_bytes_read(lambda r=r: load_model(d, TPGroup(tp_rank=r, tp_size=2, process_group=object())))
+             for r in range(2)]
+    assert config.num_key_value_heads % 2 == 0  # no zero heads: the halves are exact
+    assert abs(sum(ranks) - whole) < 0.02 * whole, (ranks, whole)
+    assert all(r < 0.52 * whole for r in ranks), (ranks, whole)

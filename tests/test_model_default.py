@@ -16,7 +16,7 @@ from tpguide.model.loader import load_model
 
 
 def _fake_convert(calls):
-    def convert(gguf_path, out_dir):
+    def convert(gguf_path, out_dir, require_chat_template=True):
         calls.append(out_dir)
         threading.Event().wait(0.3)  # long enough for the other threads to pile up on the lock
         (out_dir / "config.json").write_text("{}")
@@ -41,7 +41,7 @@ def test_concurrent_callers_convert_once(tmp_path, monkeypatch):
 
 
 def test_failed_conversion_leaves_no_directory(tmp_path, monkeypatch):
-    def broken(gguf_path, out_dir):
+    def broken(gguf_path, out_dir, require_chat_template=True):
         (out_dir / "partial").write_text("x")
         raise RuntimeError("boom")
 

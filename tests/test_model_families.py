@@ -43,3 +43,25 @@ def test_chunked_and_mixed_batches_equal_one_shot(arch, tmp_path):
     torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=1e-5)
     alone = _step(model, [(0, 0, b)])
     torch.testing.assert_close(torch.cat([first[7:], second[:1]]), alone, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """``Gemma3ForConditionalGeneration`` (as gemma-3-4b-it ships): text logits equal transformers', vision skipped."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = tiny_hf_config("Gemma3ForCausalLM", VOCAB)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    d = write_random_model(tmp_path, config, seed=3)
+    assert '"Gemma3ForConditionalGeneration"' in (d / "config.json").read_text()
+    hf = Gemma3ForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB - 3, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    model = load_model(d, TPGroup())
+    assert model.config.architecture == "Gemma3ForCausalLM"
+    assert model.config.text_decoder_of == "Gemma3ForConditionalGeneration"
+    model.allocate_kv_cache(1, 32)
+    torch.testing.assert_close(_step(model, [(0, 0, ids)]), want, atol=1e-4, rtol=0)

@@ -130,6 +130,10 @@ class ModelConfig:
         (Gemma 2).
     embed_scale : float
         Multiplies the embedding output (Gemma: ``sqrt(hidden_size)``).
+    text_decoder_of : str or None
+        The multimodal architecture (``Gemma3ForConditionalGeneration``)
+        whose language model this is; its checkpoint names carry a prefix
+        and its vision tensors are skipped (:mod:`tpguide.model.gemma3`).
     eos_token_ids : tuple of int
         Stop ids from ``config.json`` and ``generation_config.json``.
     hf_config : transformers.PretrainedConfig or None
@@ -165,6 +169,7 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
     embed_scale: float = 1.0
+    text_decoder_of: Optional[str] = None
     eos_token_ids: Tuple[int, ...] = ()
     hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
 

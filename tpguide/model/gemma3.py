@@ -9,9 +9,15 @@ From :mod:`tpguide.model.gemma2` (norms, scaled embedding, GeGLU,
   parameters (``rope_parameters["sliding_attention"]``, base 10 000) and
   global ones with ``rope_parameters["full_attention"]`` (base 1 000 000,
   scaled where the config says); one RoPE table per layer type.
+
+The instruction-tuned 4B/12B/27B checkpoints are ``Gemma3ForConditionalGeneration``
+(a vision tower plus this decoder); their language model runs on text:
+:func:`text_weight_name` maps its tensor names and skips the vision ones.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -42,3 +48,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """One rank's shard of a Gemma 3 text causal LM."""
 
     model_cls = Gemma3Model
+
+
+#: Checkpoint prefixes of the multimodal model: language-model renames, then tensors the text decoder skips.
+TEXT_RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                ("model.language_model.", "model."))
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_weight_name(name: str) -> Optional[str]:
+    """A ``Gemma3ForConditionalGeneration`` tensor name as the text decoder's, or None for a vision tensor."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for old, new in TEXT_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name

@@ -28,6 +28,8 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+#: Multimodal architectures whose text decoder runs (images refused): name -> the text architecture.
+TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 #: Config fields that mark a mixture-of-experts model (transformers' names across families).
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -51,13 +53,13 @@ def check_supported(hf_config: Any) -> str:
         :data:`SUPPORTED_ARCHITECTURES`.
     """
     arch = architecture_of(hf_config)
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(f"{k} (text only)" for k in TEXT_DECODER_OF))
     experts = {f: getattr(hf_config, f) for f in MOE_FIELDS if (getattr(hf_config, f, None) or 0) > 0}
     if experts or "moe" in arch.lower() or "mixtral" in arch.lower():
         shown = ", ".join(f"{k}={v}" for k, v in experts.items()) or "expert layers"
         raise ValueError(f"unsupported model: {arch} is a mixture-of-experts model ({shown}); "
                          f"tpguide runs dense decoders only; supported architectures: {supported}")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES and arch not in TEXT_DECODER_OF:
         raise ValueError(f"unsupported model: architecture {arch!r}; supported architectures: {supported}")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError(f"unsupported model: {arch} with use_bidirectional_attention=True; "
@@ -76,6 +78,8 @@ def _eos_ids(*sources: Any) -> tuple:
 
 
 def _layer_types(hf_config: Any, num_layers: int) -> tuple:
+    if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2/3: a sliding_window value alone is inert
+        return ()
     types = getattr(hf_config, "layer_types", None)
     if types:
         return tuple(types)
@@ -110,6 +114,15 @@ def model_config_kwargs(hf_config: Any, generation_config: Optional[Any] = None)
         See :func:`check_supported`.
     """
     arch = check_supported(hf_config)
+    if arch in TEXT_DECODER_OF:  # e.g. gemma-3-4b-it: run its language model on text
+        text = hf_config.text_config
+        text.architectures = [TEXT_DECODER_OF[arch]]
+        if getattr(hf_config, "tie_word_embeddings", None) is not None:
+            text.tie_word_embeddings = hf_config.tie_word_embeddings
+        kwargs = model_config_kwargs(text, generation_config)
+        kwargs["eos_token_ids"] = _eos_ids(hf_config, text, generation_config)
+        kwargs["text_decoder_of"] = arch
+        return kwargs
     bias = bool(getattr(hf_config, "attention_bias", False))
     qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False),
                         "Phi3ForCausalLM": (False, False)}.get(arch, (bias, bias))

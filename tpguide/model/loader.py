@@ -27,7 +27,7 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.model.config import ModelConfig
 from tpguide.model.gemma2 import Gemma2ForCausalLM
-from tpguide.model.gemma3 import Gemma3ForCausalLM
+from tpguide.model.gemma3 import Gemma3ForCausalLM, text_weight_name
 from tpguide.model.llama import LlamaForCausalLM
 from tpguide.model.phi3 import Phi3ForCausalLM, fused_parts
 from tpguide.model.qwen3 import Qwen3ForCausalLM
@@ -103,6 +103,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     expected = expected_checkpoint_names(config)
     seen: set[str] = set()
     for file_name, name, loaded in iter_checkpoint(model_dir):
+        if config.text_decoder_of is not None:  # a multimodal checkpoint: its language model only
+            name = text_weight_name(name)
+            if name is None:
+                continue
         if name.endswith(IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:

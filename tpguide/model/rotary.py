@@ -9,11 +9,12 @@ and ``longrope`` (Phi-3).
 longrope has two sets of factors.  transformers picks per forward call: long
 when the sequence is longer than ``original_max_position_embeddings``, and
 when a generation crosses that length it recomputes the whole cache with the
-long factors.  A serving engine cannot do that per sequence (chunked prefill
-would mix the two sets inside one prompt), so here the choice is made once
-per KV cache, as vLLM does: long factors for every token when
-``max_model_len > original_max_position_embeddings``, short ones otherwise
-(:meth:`RotaryEmbedding.set_max_model_len`).  Equal to transformers for every
+long factors.  Choosing per step instead (vLLM: long for the whole batch if
+any position is past the original context) would mix the two sets inside one
+prompt under chunked prefill, and make a sequence's result depend on its
+batch.  So here the choice is made once per KV cache: long factors for every
+token when ``max_model_len > original_max_position_embeddings``, short ones
+otherwise (:meth:`RotaryEmbedding.set_max_model_len`).  Equal to transformers for every
 sequence when ``max_model_len`` is within the original context, and for
 prompts longer than it otherwise; a shorter sequence in a long-context cache
 uses the long factors where transformers would use the short ones.

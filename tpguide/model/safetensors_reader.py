@@ -5,8 +5,8 @@ counts in the process's RSS until the file is closed, and a column slice
 (row-parallel layers) touches every page of its tensor.  This reader parses
 the header itself (8-byte little-endian length, JSON, then the raw data;
 the format of https://github.com/huggingface/safetensors) and reads only the
-bytes of the requested rows with ``readinto``, in blocks, straight into the
-result tensor.  A rank's peak memory is then its parameters plus one tensor
+requested bytes with ``readinto`` straight into the result: whole rows in
+one read, a matrix's column slice row by row.  A rank's peak memory is then its parameters plus one tensor
 shard in flight, at the checkpoint's own dtype.
 
 :class:`TensorSlice` has the interface of safetensors' ``PySafeSlice``
@@ -124,7 +124,7 @@ class TensorSlice:
         if dst.dtype != self.dtype or not dst.is_contiguous() or tuple(dst.shape[1:]) != self.shape[1:]:
             raise ValueError(f"read_rows_into needs a contiguous {self.dtype} [*, {list(self.shape[1:])}] tensor, "
                              f"got {dst.dtype} {list(dst.shape)}")
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", buffering=0) as f:  # unbuffered: each read is exactly the bytes asked for
             f.seek(self.offset + first_row * prod(self.shape[1:]) * self.dtype.itemsize)
             raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
             if f.readinto(raw.numpy()) != raw.numel():
@@ -136,7 +136,7 @@ class TensorSlice:
         if not isinstance(index, tuple):
             index = (index,)
         if not self.shape:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb", buffering=0) as f:  # unbuffered: each read is exactly the bytes asked for
                 return self._read(f, 0, 1, ()).reshape(())
         index = index + (slice(None),) * (len(self.shape) - len(index))
         ranges = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
@@ -145,10 +145,18 @@ class TensorSlice:
         rows, rest = ranges[0], ranges[1:]
         row_shape = self.shape[1:]
         whole_rows = all(len(r) == n for r, n in zip(rest, row_shape))
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", buffering=0) as f:  # unbuffered: each read is exactly the bytes asked for
             if whole_rows:
                 return self._read(f, rows.start, len(rows), row_shape)
             out = torch.empty(len(rows), *(len(r) for r in rest), dtype=self.dtype)
+            if len(rest) == 1:  # a column slice of a matrix: read each row's part only
+                item, cols = self.dtype.itemsize, rest[0]
+                raw = out.view(torch.uint8).numpy()  # [rows, len(cols) * item]
+                for i, row in enumerate(rows):
+                    f.seek(self.offset + (row * row_shape[0] + cols.start) * item)
+                    if f.readinto(raw[i]) != raw.shape[1]:
+                        raise ValueError(f"{self.path}: file ends inside a tensor")
+                return out
             block = max(1, BLOCK_BYTES // max(1, prod(row_shape) * self.dtype.itemsize))
             inner = tuple(slice(r.start, r.stop) for r in rest)
             for lo in range(0, len(rows), block):
