@@ -22,6 +22,7 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
+from tpguide.model.invariant_reduce import reduction_block_size
 from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
@@ -79,14 +80,15 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention of this rank's (padded) heads."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, tp_invariant: bool = True) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, group, config.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.qkv_proj.num_heads_padded * d, config.hidden_size, group,
                                         bias=config.o_proj_bias, reduce_results=True,
-                                        org_input_size=config.num_attention_heads * d, dtype=dtype)
+                                        org_input_size=config.num_attention_heads * d, dtype=dtype,
+                                        reduction_unit=d if tp_invariant else None)  # one unit per head
         self.rotary_emb = RotaryEmbedding(config)
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d ** -0.5)
 
@@ -100,12 +102,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, tp_invariant: bool = True) -> None:
         super().__init__()
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], group, config.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(i, config.hidden_size, group, bias=config.mlp_bias,
-                                           reduce_results=True, dtype=dtype)
+                                           reduce_results=True, dtype=dtype,
+                                           reduction_unit=reduction_block_size(i, group.tp_size) if tp_invariant else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
@@ -116,12 +119,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, tp_invariant: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, group, dtype)
+        self.self_attn = LlamaAttention(config, group, dtype, tp_invariant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, group, dtype)
+        self.mlp = LlamaMLP(config, group, dtype, tp_invariant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -131,10 +134,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, tp_invariant: bool = True) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.org_vocab_size, config.hidden_size, group, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, group, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, group, dtype, tp_invariant)
+                                    for _ in range(config.num_hidden_layers))
         shared_rope = self.layers[0].self_attn.rotary_emb
         for layer in self.layers:  # one RoPE table for all layers: cos/sin once per step
             layer.self_attn.rotary_emb = shared_rope
@@ -159,6 +163,11 @@ class LlamaForCausalLM(nn.Module):
         Parameter and activation dtype (logits are always fp32).
     tokenizer_vocab_size : int, optional
         Ids ``>= tokenizer_vocab_size`` get ``-inf`` logits too.
+    tp_invariant : bool
+        Row-parallel layers reduce over fixed units (heads, blocks of the
+        intermediate dim), so logits are bit-identical at tp 1, 2, 3, 4 in
+        every dtype (:mod:`tpguide.model.invariant_reduce`); False: plain
+        all-reduce (identical only up to rounding).
 
     Attributes
     ----------
@@ -174,12 +183,12 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype = torch.float32,
-                 tokenizer_vocab_size: Optional[int] = None) -> None:
+                 tokenizer_vocab_size: Optional[int] = None, tp_invariant: bool = True) -> None:
         super().__init__()
         config.check_tp_size(group.tp_size)
-        self.config, self.group, self.dtype = config, group, dtype
+        self.config, self.group, self.dtype, self.tp_invariant = config, group, dtype, tp_invariant
         with torch.device(group.device):
-            self.model = LlamaModel(config, group, dtype)
+            self.model = LlamaModel(config, group, dtype, tp_invariant)
             self.lm_head = ParallelLMHead(config.org_vocab_size, config.hidden_size, group, dtype,
                                           tokenizer_vocab_size=tokenizer_vocab_size)
         if config.tie_word_embeddings:

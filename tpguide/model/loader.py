@@ -101,7 +101,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32,
-               tokenizer_vocab_size: Optional[int] = None) -> LlamaForCausalLM:
+               tokenizer_vocab_size: Optional[int] = None, tp_invariant: bool = True) -> LlamaForCausalLM:
     """Build this rank's :class:`LlamaForCausalLM` from a local HF directory and load its weights.
 
     Parameters
@@ -114,6 +114,8 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
         Parameter dtype (checkpoint tensors are cast).
     tokenizer_vocab_size : int, optional
         Ids at or above it get ``-inf`` logits.
+    tp_invariant : bool
+        TP-invariant row-parallel reductions (see :class:`LlamaForCausalLM`).
 
     Raises
     ------
@@ -127,6 +129,6 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
     if not any(model_dir.glob("*.safetensors")):
         raise ValueError(f"no *.safetensors files in model directory {str(model_dir)!r}")
     config = ModelConfig.from_pretrained(model_dir)
-    model = LlamaForCausalLM(config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size)
+    model = LlamaForCausalLM(config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size, tp_invariant=tp_invariant)
     load_weights(model, model_dir)
     return model.eval()
