@@ -41,8 +41,7 @@ from tpguide.engine.faults import DriverAborted  # noqa: E402
 from tpguide.engine.offline import build_engine  # noqa: E402
 from tpguide.engine.output_stream import load_finished, open_partial, output_from_json  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tpguide.model.dtype import DTYPES, checkpoint_dtype, resolve_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,8 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt + generated tokens per request (default 2048)")
     p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
                    help="grammar engine (default xgrammar)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="weights and activations; logits are fp32 (default float32)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="weights and activations; logits are fp32.  auto (the default): on CPU bfloat16 if "
+                        "the CPU has AVX512_BF16 or AMX, else float32; on CUDA the checkpoint's dtype")
+    p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
+                   help="plain all-reduce in the row-parallel layers: a little faster, but bf16 logits "
+                        "(and then tokens) may differ between tp sizes (default: TP-invariant reductions, "
+                        "bit-identical at tp 1..4)")
     p.add_argument("--seed", type=int, default=0,
                    help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
     p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
@@ -128,7 +132,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, guided_backend=args.guided_backend,
-                          seed=args.seed, dtype=DTYPES[args.dtype],
+                          seed=args.seed, tp_invariant=args.tp_invariant,
+                          dtype=resolve_dtype(args.dtype, group.device, checkpoint_dtype(args.model)
+                                              if args.model and args.dtype == "auto" else None),
                           speculative_method=args.speculative_method,
                           num_speculative_tokens=_num_speculative_tokens(args),
                           draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
