@@ -25,6 +25,13 @@ over the unit dimension.  That tensor has the same shape at every
 the same order everywhere; measured on CPU, neither the per-unit ``bmm``
 nor the ``sum`` depends on the thread count (``tests/multigpu/test_tp_invariance.py``).
 The cost is ``U`` times the bytes of a plain all-reduce, still one collective.
+
+On CUDA, cuBLAS picks kernels (tiles, split-K) per shape, so the matmuls of
+the invariant path run through a fixed-tiling Triton kernel
+(:mod:`tpguide.kernels.matmul_fixed_tiling_triton`): :func:`unit_partials`
+and :func:`invariant_linear` (column-parallel layers and the LM head, whose
+shard width changes with ``tp_size``).  On CPU, torch's GEMMs were measured
+to give the same columns at every shard width, so they are used as they are.
 """
 
 from __future__ import annotations
@@ -78,7 +85,25 @@ def unit_partials(x: torch.Tensor, weight_units: torch.Tensor) -> torch.Tensor:
     """
     num_units, block, _ = weight_units.shape
     xu = x.reshape(x.shape[0], num_units, block).transpose(0, 1)  # [U_local, T, B]
+    if x.is_cuda:
+        from tpguide.kernels.matmul_fixed_tiling_triton import bmm_fixed_tiling
+
+        return bmm_fixed_tiling(xu, weight_units)  # fp32 accumulation, one order for every shape
     return torch.bmm(xu, weight_units).float()  # [U_local, T, O]
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` whose columns do not depend on how many rows ``weight`` has.
+
+    ``x [T, K]``, ``weight [N, K]`` -> ``[T, N]`` in ``x``'s dtype.  CUDA: the
+    fixed-tiling Triton kernel (fp32 accumulation, rounded once); CPU:
+    ``F.linear``.
+    """
+    if x.is_cuda:
+        from tpguide.kernels.matmul_fixed_tiling_triton import linear_fixed_tiling
+
+        return linear_fixed_tiling(x, weight).to(x.dtype)
+    return torch.nn.functional.linear(x, weight)
 
 
 def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> torch.Tensor:

@@ -23,7 +23,12 @@ from tpguide.dist import TPGroup
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import reduction_block_size
-from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpguide.model.parallel_linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import default_weight_loader
@@ -193,6 +198,10 @@ class LlamaForCausalLM(nn.Module):
                                           tokenizer_vocab_size=tokenizer_vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if tp_invariant:  # column-parallel matmuls with a fixed tiling on CUDA
+            for module in self.modules():
+                if isinstance(module, (ColumnParallelLinear, ParallelLMHead)):
+                    module.fixed_tiling = True
         self.vocab_shard: VocabShard = self.lm_head.vocab_shard
 
     @property

@@ -28,7 +28,7 @@ from torch import nn
 
 from tpguide.dist import TPGroup, collectives
 from tpguide.model.config import pad_heads
-from tpguide.model.invariant_reduce import sum_units, unit_partials
+from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
 
@@ -77,8 +77,16 @@ class ColumnParallelLinear(nn.Module):
         check_shape(loaded, (self.output_size, *param.shape[1:]))
         copy_clipped_(param.data, loaded, 0, self.group.tp_rank * self.output_size_per_partition)
 
+    #: Set by a TP-invariant model: on CUDA the matmul runs with a fixed tiling
+    #: (:func:`~tpguide.model.invariant_reduce.invariant_linear`), so a column's
+    #: value does not depend on the shard width.
+    fixed_tiling: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size] -> [T, output_size_per_partition]``."""
+        if self.fixed_tiling and x.is_cuda:
+            y = invariant_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
