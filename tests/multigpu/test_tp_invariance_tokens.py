@@ -3,7 +3,7 @@
 The requests are the README demo (``launch/demo_requests.py``) and, when the
 shared bench data is present, ``../shared/bench-data/vllm_fixtures.jsonl``;
 each is run greedy (as written) and once more with seeded sampling, all in
-one engine run per tp size.  The
+one engine run per tp size (the fixtures in the ``slow`` set).  The
 model is the tiny random Llama with SmolLM2's tokenizer (heads padded at tp 2
 and 4); ``max_tokens`` is capped so one job per tp size stays short.  With
 TP-invariant reductions the logits are bit-identical (``test_tp_invariance``),
@@ -53,12 +53,15 @@ def _outputs_key(outputs: list) -> list:
     return [(o["id"], o["finish_reason"], o["token_ids"], json.dumps(o.get("logprobs"))) for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def requests():
-    """The demo and (when present) the vLLM fixtures, each greedy and sampled: one engine run per tp size."""
-    fixtures = [json.loads(line) for line in FIXTURES.read_text().splitlines() if line.strip()] \
-        if FIXTURES.is_file() else []
-    return _with_sampled_copies(_demo_requests() + fixtures)
+@pytest.fixture(scope="module", params=["demo", pytest.param("demo+vllm_fixtures", marks=pytest.mark.slow)])
+def requests(request):
+    """The demo, and (slow) the demo plus the vLLM fixtures, each greedy and sampled: one engine run per tp size."""
+    demo = _demo_requests()
+    if request.param == "demo":
+        return _with_sampled_copies(demo)
+    if not FIXTURES.is_file():
+        pytest.skip(f"{FIXTURES} not present")
+    return _with_sampled_copies(demo + [json.loads(line) for line in FIXTURES.read_text().splitlines() if line.strip()])
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,6 @@ def reference(tiny_model_path, requests):
 
 
 def test_reference_generates(reference, requests):
-    if not FIXTURES.is_file():
-        pytest.skip(f"{FIXTURES} not present: only the demo requests are checked")
     assert len(reference) == len(requests)
     assert sum(len(o["token_ids"]) for o in reference) > 0
     assert any(o["id"].endswith("-sampled") and o["token_ids"] for o in reference)
