@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, guided_backend=args.guided_backend,
                           seed=args.seed, tp_invariant=args.tp_invariant,
-                          dtype=resolve_dtype(args.dtype, group.device, checkpoint_dtype(args.model)
-                                              if args.model and args.dtype == "auto" else None),
+                          dtype=resolve_dtype(args.dtype, group.device, checkpoint_dtype(args.model) if args.model
+                                              and args.dtype == "auto" and group.device.type == "cuda" else None),
                           speculative_method=args.speculative_method,
                           num_speculative_tokens=_num_speculative_tokens(args),
                           draft_num_layers=args.draft_num_layers, draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
