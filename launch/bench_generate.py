@@ -26,6 +26,13 @@ Usage::
 
     python launch/bench_generate.py [--batch-sizes 8,32] [--max-tokens 32] [--threads 1] [--repeats 2]
                                     [--tp-sizes 1,2,4] [--model DIR] [--profile]
+                                    [--modes auto,float32,float32-plain,bfloat16] [--hf-dtypes float32,bfloat16]
+                                    [--tp-compare]
+
+``--modes`` adds a table of tpguide weight formats (``-plain`` = without
+TP-invariant reductions) against transformers at ``--hf-dtypes``;
+``--tp-compare`` adds tp 2 (``--threads`` per rank) against tp 1 (twice
+the threads) with collectives per engine step and their time.
 """
 
 from __future__ import annotations
@@ -134,7 +141,7 @@ class GuidanceTimer:
 class HFRunner:
     """transformers ``generate`` with ``xgrammar.contrib.hf.LogitsProcessor``."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
         import xgrammar as xgr
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +149,7 @@ class HFRunner:
         from tpguide.guided.xgrammar_backend import make_tokenizer_info
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.stop_ids = collect_stop_token_ids(self.tokenizer, model_dir)
         info = make_tokenizer_info(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
         self.compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=True)
@@ -213,6 +220,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats, fastest counts (default 2)")
     p.add_argument("--tp-sizes", default="1,2,4", help="tp sizes of the memory table; '' skips it")
     p.add_argument("--profile", action="store_true", help="cProfile tpguide (guided, first batch size)")
+    p.add_argument("--modes", default="",
+                   help="also a table of weight formats, e.g. 'auto,float32,float32-plain,bfloat16' for tpguide "
+                        "(-plain: --no-tp-invariant) against transformers at --hf-dtypes; '' skips it")
+    p.add_argument("--hf-dtypes", default="float32,bfloat16", help="transformers dtypes of the --modes table")
+    p.add_argument("--tp-compare", action="store_true",
+                   help="also tp 2 (--threads per rank) against tp 1 (2x --threads): tok/s, same tokens, "
+                        "collectives per engine step and their time")
     return p.parse_args(argv)
 
 
@@ -278,15 +292,116 @@ def main(argv=None) -> int:
               f"{100 * sec['critical'] / wall:.2f}% of the guided wall time; bitmask fill "
               f"{sec['overlapped']:.3f} s in a thread, overlapped with the forward")
 
+    if args.modes:
+        engine.shutdown()
+        modes_table(model_dir, batch_sizes, args)
+    if args.tp_compare:
+        tp_table(model_dir, batch_sizes, args)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
         run_tpguide(engine, request_dicts(batch_sizes[0], args.max_tokens, guided=True))
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    engine.shutdown()
+    if not args.modes:
+        engine.shutdown()
 
     return 0
+
+
+# ---------------------------------------------------------------- weight formats, tp sizes
+def _mode_config(mode: str, max_num_seqs: int) -> EngineConfig:
+    from tpguide.model.dtype import resolve_dtype
+
+    name, plain = mode.removesuffix("-plain"), mode.endswith("-plain")
+    return EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=512,
+                        dtype=resolve_dtype(name, "cpu", torch.float32), tp_invariant=not plain)
+
+
+def modes_table(model_dir: str, batch_sizes: List[int], args) -> None:
+    """tpguide per ``--modes`` against transformers per ``--hf-dtypes``, guided, fastest of ``--repeats``."""
+    modes = [m for m in args.modes.split(",") if m]
+    hf_dtypes = [d for d in args.hf_dtypes.split(",") if d]
+    print(f"\nweight formats (guided, {args.threads} thread(s), max_tokens {args.max_tokens}; "
+          f"'auto' is {_mode_config('auto', 1).dtype} on this CPU; int4: not wired into the model, see README)")
+    runners = {m: build_engine(TPGroup(), model_dir, _mode_config(m, max(batch_sizes))) for m in modes}
+    hfs = {d: HFRunner(model_dir, getattr(torch, d)) for d in hf_dtypes}
+    for engine in runners.values():
+        run_tpguide(engine, request_dicts(2, 4, guided=True))
+    for hf in hfs.values():
+        hf.run(2, 4)
+    for n in batch_sizes:
+        best: dict = {}
+        for _ in range(max(1, args.repeats)):  # interleaved: every runner once per round
+            for name, run in [*((m, lambda e=e: run_tpguide(e, request_dicts(n, args.max_tokens, True)))
+                                for m, e in runners.items()),
+                              *((f"HF {d}", lambda h=h: h.run(n, args.max_tokens)) for d, h in hfs.items())]:
+                tokens, wall = run()
+                if name not in best or wall < best[name][1]:
+                    best[name] = (tokens, wall)
+        base_name = f"HF {hf_dtypes[0]}" if hf_dtypes else None
+        ref_tokens = best[modes[0]][0] if modes else None
+        for name, (tokens, wall) in best.items():
+            rate = sum(map(len, tokens)) / wall
+            ratio = f"{rate / (sum(map(len, best[base_name][0])) / best[base_name][1]):.2f}x" if base_name else "-"
+            same = sum(a == b for a, b in zip(tokens, ref_tokens)) if ref_tokens is not None else 0
+            print(f"batch {n:>3} | {name:>16} | {rate:>7.1f} tok/s | vs {base_name}: {ratio:>6} | "
+                  f"same tokens as {modes[0] if modes else '-'}: {same}/{n}")
+    for engine in runners.values():
+        engine.shutdown()
+
+
+def tp_job(group, model_dir: str, n: int, max_tokens: int, threads: int) -> Optional[dict]:
+    """One rank of the tp comparison: guided run, wall time, engine steps, collectives and their seconds."""
+    from tpguide.dist import collectives
+
+    torch.set_num_threads(threads)
+    stats = {"calls": 0, "seconds": 0.0, "steps": 0}
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                stats["calls"] += 1
+                stats["seconds"] += time.perf_counter() - t
+        return wrapper
+
+    for name in ("all_reduce", "all_gather_stacked", "broadcast_tensor", "broadcast_object", "scatter_tensor"):
+        setattr(collectives, name, timed(getattr(collectives, name)))
+    engine = build_engine(group, model_dir, EngineConfig(max_num_seqs=n, max_num_batched_tokens=4096,
+                                                         max_model_len=512))
+    forward = engine.model.forward
+
+    def counted(*a, **k):
+        stats["steps"] += 1
+        return forward(*a, **k)
+    engine.model.forward = counted
+    if not group.is_driver:
+        engine.run_worker()
+        return None
+    run_tpguide(engine, request_dicts(2, 4, guided=True))
+    stats.update(calls=0, seconds=0.0, steps=0)
+    tokens, wall = run_tpguide(engine, request_dicts(n, max_tokens, guided=True))
+    out = dict(stats, tokens=tokens, wall=wall)
+    engine.shutdown()
+    return out
+
+
+def tp_table(model_dir: str, batch_sizes: List[int], args) -> None:
+    """tp 2 with ``--threads`` per rank against tp 1 with twice that, same requests."""
+    print(f"\ntp 2 ({args.threads} thread(s) per rank) vs tp 1 ({2 * args.threads} threads), guided, fp32")
+    for n in batch_sizes:
+        one = tp_job(TPGroup(), model_dir, n, args.max_tokens, 2 * args.threads)
+        two = run_on_ranks(tp_job, 2, model_dir, n, args.max_tokens, args.threads)[0]
+        for tp, r in ((1, one), (2, two)):
+            rate = sum(map(len, r["tokens"])) / r["wall"]
+            print(f"batch {n:>3} | tp {tp} | {rate:>7.1f} tok/s | {r['steps']} steps | "
+                  f"{r['calls'] / max(1, r['steps']):.1f} collectives/step | "
+                  f"{1e3 * r['seconds'] / max(1, r['steps']):.1f} ms in collectives/step")
+        same = sum(a == b for a, b in zip(one["tokens"], two["tokens"]))
+        print(f"batch {n:>3} | same tokens tp 1 vs tp 2: {same}/{n}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ import torch
 
 from tpguide.dist.group import DEFAULT_TIMEOUT_S
 from tpguide.engine import EngineConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tpguide.model.dtype import DTYPES, checkpoint_dtype, resolve_dtype
 
 
 def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 64) -> None:
@@ -26,8 +25,13 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="prompt + generated tokens per request (default 2048)")
     p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
                    help="grammar engine (default xgrammar)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="weights and activations; logits are fp32 (default float32)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="weights and activations; logits are fp32.  auto (the default): on CPU bfloat16 if "
+                        "the CPU has AVX512_BF16 or AMX, else float32; on CUDA the checkpoint's dtype")
+    p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
+                   help="plain all-reduce in the row-parallel layers: a little faster, but bf16 logits "
+                        "(and then tokens) may differ between tp sizes (default: TP-invariant reductions, "
+                        "bit-identical at tp 1..4)")
     p.add_argument("--seed", type=int, default=0,
                    help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
     p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
@@ -51,7 +55,11 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The :class:`EngineConfig` of the flags; ValueError on flags that would be ignored or are out of range."""
+    """The :class:`EngineConfig` of the flags; ValueError on flags that would be ignored or are out of range.
+
+    ``--dtype auto`` resolves for CUDA when a GPU is visible (the checkpoint's
+    dtype), else for this CPU (:func:`tpguide.model.dtype.resolve_dtype`).
+    """
     used = [flag for flag, on in (("--draft-num-layers", args.draft_num_layers is not None),
                                   ("--draft-vocab-size", args.draft_vocab_size is not None),
                                   ("--no-draft-lens", not args.draft_lens)) if on]
@@ -65,7 +73,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         k = 4 if args.speculative_method else 0
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, guided_backend=args.guided_backend,
-                        seed=args.seed, dtype=DTYPES[args.dtype], speculative_method=args.speculative_method,
+                        seed=args.seed, dtype=_dtype(args), tp_invariant=args.tp_invariant,
+                        speculative_method=args.speculative_method,
                         num_speculative_tokens=k, draft_num_layers=args.draft_num_layers,
                         draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
                         draft_lens=args.draft_lens)
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda_auto = args.dtype == "auto" and device == "cuda" and args.model and not str(args.model).endswith(".gguf")
+    return resolve_dtype(args.dtype, device, checkpoint_dtype(args.model) if on_cuda_auto else None)

@@ -179,7 +179,9 @@ def test_attention_and_mlp_blocks_sum_to_unsharded(tp_size):
     x, positions = randn(8, hid, seed=15), meta.token_positions
 
     def run(group):
-        attn, mlp = LlamaAttention(cfg, group, torch.float32), LlamaMLP(cfg, group, torch.float32)
+        # plain reductions: the partial sums are added by hand (the invariant path: tests/multigpu/test_tp_invariance.py)
+        attn = LlamaAttention(cfg, group, torch.float32, tp_invariant=False)
+        mlp = LlamaMLP(cfg, group, torch.float32, tp_invariant=False)
         for module, tensors in ((attn, full), (mlp, mlp_full)):
             for (name, sid), t in tensors.items():
                 p = module.get_parameter(name)
@@ -193,3 +195,47 @@ def test_attention_and_mlp_blocks_sum_to_unsharded(tp_size):
     outs = [run(fake_group(r, tp_size)) for r in range(tp_size)]
     torch.testing.assert_close(sum(a for a, _ in outs), ref_attn, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sum(m for _, m in outs), ref_mlp, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3, 4])
+def test_invariant_row_parallel_unit_partials_are_the_tp1_units(tp_size):
+    """Each rank's fp32 unit partials are exactly the tp-1 ones; padded units are zero and dropped."""
+    from tpguide.model.invariant_reduce import unit_partials
+
+    heads, d, out = 9, 4, 24
+    padded = pad_heads(heads, 3, tp_size)[0]
+    w, x = randn(out, heads * d, seed=21), randn(5, padded * d, seed=22)
+    x[:, heads * d:] = 0.0  # padded heads' attention output
+
+    def partials(r):
+        layer = RowParallelLinear(padded * d, out, fake_group(r, tp_size), org_input_size=heads * d,
+                                  reduction_unit=d)
+        layer.weight.weight_loader(layer.weight, w)
+        n = layer.input_size_per_partition
+        weight_units = layer.weight.t().reshape(layer.num_local_units, d, out)
+        return layer, unit_partials(x[:, r * n:(r + 1) * n], weight_units)
+
+    layer, ref = partials(0) if tp_size == 1 else (None, torch.cat([partials(r)[1] for r in range(tp_size)]))
+    full = RowParallelLinear(heads * d, out, fake_group(0, 1), reduction_unit=d)
+    full.weight.weight_loader(full.weight, w)
+    want = unit_partials(x[:, :heads * d], full.weight.t().reshape(heads, d, out))
+    assert torch.equal(ref[:heads], want)
+    assert not ref[heads:].any()
+    torch.testing.assert_close(full(x[:, :heads * d]), x[:, :heads * d] @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_invariant_row_parallel_rejects_bad_units():
+    with pytest.raises(ValueError, match="reduction_unit=5"):
+        RowParallelLinear(24, 8, fake_group(0, 2), reduction_unit=5)
+    with pytest.raises(ValueError, match="reduce_results"):
+        RowParallelLinear(24, 8, fake_group(0, 2), reduction_unit=4, reduce_results=False)
+
+
+def test_reduction_block_size_puts_every_shard_boundary_on_a_block_boundary():
+    from tpguide.model.invariant_reduce import reduction_block_size
+
+    assert reduction_block_size(1536, 1) == 128  # SmolLM2-135M: 12 units
+    assert reduction_block_size(192, 4) == 16
+    assert reduction_block_size(1536, 8) == 64  # outside (1, 2, 3, 4): a smaller block
+    with pytest.raises(ValueError, match="tp_size=5"):
+        reduction_block_size(1536, 5)

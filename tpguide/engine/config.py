@@ -25,6 +25,10 @@ class EngineConfig:
         Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
     dtype : torch.dtype
         Weights and activations (logits are fp32).
+    tp_invariant : bool
+        TP-invariant row-parallel reductions: logits, tokens and logprobs
+        bit-identical at tp 1..4 in every dtype (docs/architecture.md §6);
+        False: plain all-reduce.
     speculative_method : {None, "ngram", "draft-head"}
         Draft tokens verified by the target model each decode step
         (:mod:`tpguide.speculative.verify`); None = off.  ``"draft-head"``
@@ -50,6 +54,7 @@ class EngineConfig:
     guided_backend: str = "xgrammar"
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    tp_invariant: bool = True
     speculative_method: Optional[str] = None
     num_speculative_tokens: int = 0
     draft_num_layers: Optional[int] = None

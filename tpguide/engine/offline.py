@@ -55,7 +55,8 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
         (len(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
     if error is not None:
         raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
-    model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size)
+    model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size,
+                       tp_invariant=config.tp_invariant)
     draft_head = None
     if config.speculative_method == "draft-head":
         from tpguide.speculative.draft_head import build_draft_head

@@ -138,6 +138,9 @@ class ModelConfig:
         Stop ids from ``config.json`` and ``generation_config.json``.
     hf_config : transformers.PretrainedConfig or None
         Kept for the RoPE init functions of transformers; not compared.
+    tp_invariant : bool
+        Not from the checkpoint: set by :class:`~tpguide.model.llama.LlamaForCausalLM`.
+        Row-parallel layers reduce over fixed units (docs/architecture.md §6).
 
     Raises
     ------
@@ -171,6 +174,7 @@ class ModelConfig:
     embed_scale: float = 1.0
     text_decoder_of: Optional[str] = None
     eos_token_ids: Tuple[int, ...] = ()
+    tp_invariant: bool = True
     hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ Sliding-window layers come from ``config.layer_types``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
@@ -29,8 +30,14 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
+from tpguide.model.invariant_reduce import reduction_block_size
 from tpguide.model.norm import RMSNorm
-from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpguide.model.parallel_linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from tpguide.model.rotary import RotaryEmbedding
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
@@ -59,7 +66,8 @@ class LlamaAttention(nn.Module):
                                           config.num_key_value_heads, group, config.attention_bias, dtype)
         self.o_proj = RowParallelLinear(self.qkv_proj.num_heads_padded * d, config.hidden_size, group,
                                         bias=config.o_proj_bias, reduce_results=True,
-                                        org_input_size=config.num_attention_heads * d, dtype=dtype)
+                                        org_input_size=config.num_attention_heads * d, dtype=dtype,
+                                        reduction_unit=d if config.tp_invariant else None)  # one unit per head
         self.rotary_emb = RotaryEmbedding(config, self.layer_type)
         scale = config.attention_scale if config.attention_scale is not None else d ** -0.5
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, scale,
@@ -90,7 +98,9 @@ class LlamaMLP(nn.Module):
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], group, config.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(i, config.hidden_size, group, bias=config.mlp_bias,
-                                           reduce_results=True, dtype=dtype)
+                                           reduce_results=True, dtype=dtype,
+                                           reduction_unit=(reduction_block_size(i, group.tp_size)
+                                                           if config.tp_invariant else None))
         self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +163,11 @@ class LlamaForCausalLM(nn.Module):
         Parameter and activation dtype (logits are always fp32).
     tokenizer_vocab_size : int, optional
         Ids ``>= tokenizer_vocab_size`` get ``-inf`` logits too.
+    tp_invariant : bool
+        Row-parallel layers reduce over fixed units (heads, blocks of the
+        intermediate dim), so logits are bit-identical at tp 1, 2, 3, 4 in
+        every dtype (:mod:`tpguide.model.invariant_reduce`); False: plain
+        all-reduce (identical only up to rounding).
 
     Attributes
     ----------
@@ -170,10 +185,11 @@ class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype = torch.float32,
-                 tokenizer_vocab_size: Optional[int] = None) -> None:
+                 tokenizer_vocab_size: Optional[int] = None, tp_invariant: bool = True) -> None:
         super().__init__()
         config.check_tp_size(group.tp_size)
-        self.config, self.group, self.dtype = config, group, dtype
+        config = dataclasses.replace(config, tp_invariant=tp_invariant)  # read by the row-parallel layers
+        self.config, self.group, self.dtype, self.tp_invariant = config, group, dtype, tp_invariant
         with torch.device(group.device):
             self.model = self.model_cls(config, group, dtype)
             self.lm_head = ParallelLMHead(config.org_vocab_size, config.hidden_size, group, dtype,
@@ -181,6 +197,10 @@ class LlamaForCausalLM(nn.Module):
                                           logit_softcap=config.final_logit_softcapping)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if tp_invariant:  # column-parallel matmuls with a fixed tiling on CUDA
+            for module in self.modules():
+                if isinstance(module, (ColumnParallelLinear, ParallelLMHead)):
+                    module.fixed_tiling = True
         self.vocab_shard: VocabShard = self.lm_head.vocab_shard
 
     @property

@@ -133,7 +133,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32,
-               tokenizer_vocab_size: Optional[int] = None) -> LlamaForCausalLM:
+               tokenizer_vocab_size: Optional[int] = None, tp_invariant: bool = True) -> LlamaForCausalLM:
     """Build this rank's model (the class of its architecture) from a local HF directory and load its weights.
 
     Parameters
@@ -148,6 +148,8 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
         see :func:`tpguide.model.safetensors_reader.checkpoint_dtype`).
     tokenizer_vocab_size : int, optional
         Ids at or above it get ``-inf`` logits.
+    tp_invariant : bool
+        TP-invariant row-parallel reductions (see :class:`LlamaForCausalLM`).
 
     Raises
     ------
@@ -160,6 +162,7 @@ def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch
         raise ValueError(f"model directory {str(model_dir)!r} does not exist")
     checkpoint_files(model_dir)  # raises if there are none
     config = ModelConfig.from_pretrained(model_dir)
-    model = MODEL_CLASSES[config.architecture](config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size)
+    model = MODEL_CLASSES[config.architecture](config, group, dtype, tokenizer_vocab_size=tokenizer_vocab_size,
+                                                 tp_invariant=tp_invariant)
     load_weights(model, model_dir)
     return model.eval()

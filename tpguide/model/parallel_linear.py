@@ -5,7 +5,9 @@
 * **column parallel**: rank ``r`` holds rows ``[r*O/T, (r+1)*O/T)`` of ``W``
   (an output slice); input replicated, output sharded, no communication;
 * **row parallel**: rank ``r`` holds columns ``[r*I/T, (r+1)*I/T)`` (an input
-  slice); input sharded, partial outputs summed with one ``all_reduce``.
+  slice); input sharded, partial outputs summed with one ``all_reduce``, or,
+  TP-invariant (``reduction_unit`` set), over fixed units of columns with one
+  all-gather (:mod:`tpguide.model.invariant_reduce`).
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)``
 that checks the *full* checkpoint shape and copies only this rank's slice;
@@ -26,6 +28,7 @@ from torch import nn
 
 from tpguide.dist import TPGroup, collectives
 from tpguide.model.config import pad_heads
+from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
 
@@ -74,8 +77,16 @@ class ColumnParallelLinear(nn.Module):
         check_shape(loaded, (self.output_size, *param.shape[1:]))
         copy_clipped_(param.data, loaded, 0, self.group.tp_rank * self.output_size_per_partition)
 
+    #: Set by a TP-invariant model: on CUDA the matmul runs with a fixed tiling
+    #: (:func:`~tpguide.model.invariant_reduce.invariant_linear`), so a column's
+    #: value does not depend on the shard width.
+    fixed_tiling: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size] -> [T, output_size_per_partition]``."""
+        if self.fixed_tiling and x.is_cuda:
+            y = invariant_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -179,23 +190,54 @@ class RowParallelLinear(nn.Module):
         Columns in the checkpoint (default ``input_size``); columns past it
         stay zero.
     dtype : torch.dtype
+    reduction_unit : int, optional
+        TP-invariant reduction (docs/architecture.md §6): the sum over the
+        input runs over fixed units of this many columns (a head's
+        ``head_dim`` for ``o_proj``, :func:`~tpguide.model.invariant_reduce.reduction_block_size`
+        for ``down_proj``), each in fp32, combined in unit order the same way
+        at every ``tp_size``; units past ``org_input_size`` (padded heads)
+        are skipped.  Needs ``reduce_results``.  None: a plain all-reduce.
 
     Attributes
     ----------
     weight : ``[output_size, input_size_per_partition]``
+        With ``reduction_unit`` stored transposed (strides ``(1, output_size)``),
+        so ``weight.t().view(U_local, reduction_unit, output_size)`` is the
+        contiguous per-unit layout the ``bmm`` reads.
     bias : ``[output_size]`` or None
+
+    Raises
+    ------
+    ValueError
+        Sizes that do not divide (the message names them).
     """
 
     def __init__(self, input_size: int, output_size: int, group: TPGroup, bias: bool = False,
                  reduce_results: bool = True, org_input_size: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, reduction_unit: Optional[int] = None) -> None:
         super().__init__()
         self.group = group
         self.input_size, self.output_size = input_size, output_size
         self.org_input_size = input_size if org_input_size is None else org_input_size
         self.input_size_per_partition = divide(input_size, group.tp_size, "input_size")
         self.reduce_results = reduce_results
-        self.weight = _param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
+        self.reduction_unit = reduction_unit
+        if reduction_unit is None:
+            self.weight = _param((output_size, self.input_size_per_partition), dtype, self.weight_loader)
+        else:
+            if not reduce_results:
+                raise ValueError("reduction_unit (TP-invariant reduction) needs reduce_results=True")
+            if reduction_unit < 1 or self.input_size_per_partition % reduction_unit \
+                    or self.org_input_size % reduction_unit:
+                raise ValueError(
+                    f"reduction_unit={reduction_unit} must divide input_size_per_partition="
+                    f"{self.input_size_per_partition} and org_input_size={self.org_input_size}"
+                )
+            self.num_local_units = self.input_size_per_partition // reduction_unit
+            self.num_real_units = self.org_input_size // reduction_unit
+            transposed = torch.zeros(self.input_size_per_partition, output_size, dtype=dtype)
+            self.weight = nn.Parameter(transposed.t(), requires_grad=False)  # [O, I_local], column-major
+            self.weight.weight_loader = self.weight_loader
         self.bias = _param((output_size,), dtype, default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Loadable, shard_id: Any = None) -> None:
@@ -205,6 +247,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``)."""
+        if self.reduction_unit is not None:
+            weight_units = self.weight.t().reshape(self.num_local_units, self.reduction_unit, self.output_size)
+            partials = unit_partials(x, weight_units)  # fp32 [U_local, T, O]
+            y = sum_units(partials, self.num_real_units, self.group).to(x.dtype)  # the one communication point
+            return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:
             y = collectives.all_reduce(y, self.group)  # the one communication point

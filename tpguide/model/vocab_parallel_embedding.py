@@ -132,6 +132,9 @@ class ParallelLMHead(VocabParallelEmbedding):
                    self.valid_vocab_size - self.vocab_shard.vocab_start_index)
         )
 
+    #: Set by a TP-invariant model: fixed-tiling matmul on CUDA (see ColumnParallelLinear).
+    fixed_tiling: bool = False
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead has no forward; call compute_logits")
 
@@ -150,7 +153,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             global token id ``vocab_start_index + j``); ids ``>= valid_vocab_size``
             are ``-inf``.  A new tensor.
         """
-        logits = F.linear(hidden_states, self.weight).float()  # [R, V/T]
+        if self.fixed_tiling and hidden_states.is_cuda:  # columns independent of the shard width
+            from tpguide.model.invariant_reduce import invariant_linear
+
+            logits = invariant_linear(hidden_states, self.weight).float()  # [R, V/T]
+        else:
+            logits = F.linear(hidden_states, self.weight).float()  # [R, V/T]
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         if self.num_valid_per_partition < logits.size(1):

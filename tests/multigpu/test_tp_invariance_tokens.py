@@ -1,0 +1,83 @@
+"""bf16 end to end on real gloo ranks: identical token ids and logprobs at tp 1, 2, 3, 4.
+
+The requests are the README demo (``launch/demo_requests.py``) and, when the
+shared bench data is present, ``../shared/bench-data/vllm_fixtures.jsonl``;
+each is run greedy (as written) and once more with seeded sampling, all in
+one engine run per tp size (the fixtures in the ``slow`` set).  The
+model is the tiny random Llama with SmolLM2's tokenizer (heads padded at tp 2
+and 4); ``max_tokens`` is capped so one job per tp size stays short.  With
+TP-invariant reductions the logits are bit-identical (``test_tp_invariance``),
+so tokens and logprob values must be equal, not close.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpguide.dist import TPGroup
+from tpguide.dist.spawn import run_on_ranks
+from tpguide.engine.engine import EngineConfig
+from tpguide.engine.offline import generate_on_group
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO.parent / "shared" / "bench-data" / "vllm_fixtures.jsonl"
+MAX_TOKENS = 12
+CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, dtype=torch.bfloat16)
+
+
+def _demo_requests() -> list:
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from demo_requests import DEMO_REQUESTS
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    return [dict(r) for r in DEMO_REQUESTS]
+
+
+def _with_sampled_copies(requests: list) -> list:
+    out = []
+    for i, r in enumerate(requests):
+        greedy = {**r, "max_tokens": min(r.get("max_tokens", MAX_TOKENS), MAX_TOKENS), "logprobs": 1}
+        greedy.setdefault("temperature", 0.0)
+        sampled = {**greedy, "id": f"{r['id']}-sampled", "temperature": 0.8, "top_p": 0.95, "seed": 100 + i}
+        out += [greedy, sampled]
+    return out
+
+
+def _outputs_key(outputs: list) -> list:
+    return [(o["id"], o["finish_reason"], o["token_ids"], json.dumps(o.get("logprobs"))) for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["demo", pytest.param("demo+vllm_fixtures", marks=pytest.mark.slow)])
+def requests(request):
+    """The demo, and (slow) the demo plus the vLLM fixtures, each greedy and sampled: one engine run per tp size."""
+    demo = _demo_requests()
+    if request.param == "demo":
+        return _with_sampled_copies(demo)
+    if not FIXTURES.is_file():
+        pytest.skip(f"{FIXTURES} not present")
+    return _with_sampled_copies(demo + [json.loads(line) for line in FIXTURES.read_text().splitlines() if line.strip()])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path, requests):
+    return generate_on_group(TPGroup(), tiny_model_path, requests, CONFIG)
+
+
+def test_reference_generates(reference, requests):
+    assert len(reference) == len(requests)
+    assert sum(len(o["token_ids"]) for o in reference) > 0
+    assert any(o["id"].endswith("-sampled") and o["token_ids"] for o in reference)
+
+
+@pytest.mark.parametrize("tp_size", [2, 3, 4])
+def test_bf16_tokens_identical(reference, tiny_model_path, requests, tp_size):
+    results = run_on_ranks(generate_on_group, tp_size, tiny_model_path, requests, CONFIG)
+    want = _outputs_key(reference)
+    for rank_outputs in results:
+        assert _outputs_key(rank_outputs) == want

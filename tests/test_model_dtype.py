@@ -1,0 +1,52 @@
+"""``--dtype auto`` resolution (tpguide.model.dtype)."""
+
+import json
+
+import pytest
+import torch
+
+from tpguide.model import dtype as dtype_mod
+from tpguide.model.dtype import checkpoint_dtype, cpu_has_native_bf16, resolve_dtype
+
+
+def test_explicit_names_are_taken_as_given():
+    assert resolve_dtype("float32", "cpu") is torch.float32
+    assert resolve_dtype("bfloat16", "cuda", torch.float32) is torch.bfloat16
+    with pytest.raises(ValueError, match="'int8'"):
+        resolve_dtype("int8", "cpu")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_on_cpu_follows_the_bf16_capability(monkeypatch, native):
+    monkeypatch.setattr(dtype_mod, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("auto", "cpu", torch.float16) is (torch.bfloat16 if native else torch.float32)
+
+
+def test_auto_on_cuda_is_the_checkpoint_dtype():
+    assert resolve_dtype("auto", "cuda", torch.bfloat16) is torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda", 0), None) is torch.float32
+
+
+def test_this_machine_capability_matches_cpuinfo():
+    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else None
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo")
+    assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
+
+
+@pytest.mark.parametrize("key,value,want", [("dtype", "bfloat16", torch.bfloat16),
+                                            ("torch_dtype", "float16", torch.float16),
+                                            ("dtype", "float32", torch.float32)])
+def test_checkpoint_dtype_reads_config(tmp_path, key, value, want):
+    (tmp_path / "config.json").write_text(json.dumps({key: value}))
+    assert checkpoint_dtype(tmp_path) is want
+
+
+def test_checkpoint_dtype_absent_or_bad(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_dtype(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "int3"}))
+    with pytest.raises(ValueError, match="int3"):
+        checkpoint_dtype(tmp_path)
+    with pytest.raises(ValueError, match="no config.json"):
+        checkpoint_dtype(tmp_path / "missing")

@@ -1,0 +1,77 @@
+"""``--dtype auto``: the weight and activation dtype that fits the machine.
+
+* CPU: bfloat16 when the CPU has native bf16 matmul (AVX512_BF16 or AMX),
+  else float32.  Measured on an AVX2-only AMD EPYC (torch 2.13, 1 thread, the
+  embedded model's matmuls at 8 rows): bf16 is about 3x *slower* than fp32
+  there, because the GEMM converts bf16 to fp32 in software.
+* CUDA: the checkpoint's dtype (``config.json`` ``dtype`` / ``torch_dtype``),
+  float32 if it names none.
+
+Explicit names (``"float32"``, ``"bfloat16"``, ``"float16"``) are taken as given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+#: The names ``--dtype`` accepts besides ``"auto"``.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Spellings of config.json's dtype field.
+_CONFIG_DTYPES = {**DTYPES, "float": torch.float32, "half": torch.float16, "bf16": torch.bfloat16,
+                  "fp32": torch.float32, "fp16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True if this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX tiles), per torch's cpuinfo."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def checkpoint_dtype(model_dir: str | Path) -> Optional[torch.dtype]:
+    """The dtype ``model_dir/config.json`` declares (``dtype``, or the older ``torch_dtype``); None if none.
+
+    Raises
+    ------
+    ValueError
+        If ``config.json`` is missing or names a dtype not in :data:`DTYPES`.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
+    raw = json.loads(path.read_text())
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    if name is None:
+        return None
+    if str(name) not in _CONFIG_DTYPES:
+        raise ValueError(f"config.json dtype {name!r} is not one of {sorted(_CONFIG_DTYPES)}")
+    return _CONFIG_DTYPES[str(name)]
+
+
+def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[torch.dtype] = None) -> torch.dtype:
+    """The model dtype for ``--dtype name`` on ``device``.
+
+    Parameters
+    ----------
+    name : str
+        ``"auto"`` or a key of :data:`DTYPES`.
+    device : torch.device or str
+        Where the model runs (only the type matters).
+    checkpoint : torch.dtype, optional
+        The checkpoint's own dtype (:func:`checkpoint_dtype`); used by
+        ``"auto"`` on CUDA.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``name`` (lists the valid ones).
+    """
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
+        return DTYPES[name]
+    if torch.device(device).type == "cuda":
+        return checkpoint if checkpoint is not None else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
