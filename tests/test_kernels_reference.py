@@ -63,7 +63,7 @@ def test_reference_d2t_shards_compose():
 
 
 def test_shard_local_draft_ids_would_be_wrong():
-    """Rank > 0 of a draft shard: indexing with shard-local ids (the pitfall of DESIGN.md §3)
+    """Rank > 0 of a draft shard: indexing with shard-local ids (the pitfall of docs/architecture.md §3)
     gives a different mask than the global id; rank 0 cannot tell them apart."""
     d2t_full = make_d2t(600, 32 * 70 + 13)
     bitmask = make_bitmask(2, 71, seed=3)

@@ -7,6 +7,8 @@ combines the shards by hand (concatenate or sum) and compares with the
 unsharded computation.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,8 +182,9 @@ def test_attention_and_mlp_blocks_sum_to_unsharded(tp_size):
 
     def run(group):
         # plain reductions: the partial sums are added by hand (the invariant path: tests/multigpu/test_tp_invariance.py)
-        attn = LlamaAttention(cfg, group, torch.float32, tp_invariant=False)
-        mlp = LlamaMLP(cfg, group, torch.float32, tp_invariant=False)
+        plain = dataclasses.replace(cfg, tp_invariant=False)
+        attn = LlamaAttention(plain, group, torch.float32)
+        mlp = LlamaMLP(plain, group, torch.float32)
         for module, tensors in ((attn, full), (mlp, mlp_full)):
             for (name, sid), t in tensors.items():
                 p = module.get_parameter(name)

@@ -1,4 +1,4 @@
-"""Table-driven tests of prepare_sampler_inputs (DESIGN.md §4)."""
+"""Table-driven tests of prepare_sampler_inputs (docs/architecture.md §4)."""
 
 import pytest
 

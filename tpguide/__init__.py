@@ -2,7 +2,7 @@
 
 Every rank holds a slice of every weight, including a vocabulary slice of the
 LM head, and applies its own slice of the grammar's token bitmask to its own
-logits shard.  See ``DESIGN.md`` in the shared folder for the contract.
+logits shard.  See ``docs/architecture.md`` for the architecture and its invariants.
 """
 
 __version__ = "0.1.0"

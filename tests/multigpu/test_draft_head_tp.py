@@ -3,7 +3,7 @@
 The draft vocabulary is scattered over the whole target vocabulary (the byte
 ids plus random ids, an odd size so tp 2 and 3 pad it), so a shard at rank > 0
 maps to target ids everywhere: masking it needs the full bitmask row and the
-global draft id (DESIGN.md §3).  The driver builds real xgrammar rows for
+global draft id (docs/architecture.md §3).  The driver builds real xgrammar rows for
 three grammar states and broadcasts them whole.
 """
 

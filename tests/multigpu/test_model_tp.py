@@ -37,7 +37,7 @@ def _scenario(group: TPGroup, model_dir: str):
     first = _step(model, [(0, 0, b[:8]), (2, 0, c[:4])])
     second = _step(model, [(1, 0, a), (0, 8, b[8:]), (2, 4, c[4:])])
     shards = [first, second]
-    # Greedy over shards: local max + global id, all-gathered pairs (DESIGN.md §6).
+    # Greedy over shards: local max + global id, all-gathered pairs (docs/architecture.md §6).
     greedy = []
     for logits in shards:
         value, idx = logits.max(-1)  # [R]

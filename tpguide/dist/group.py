@@ -154,7 +154,7 @@ def check_same_device_type(device_types: list[str]) -> None:
     """Raise ``ValueError`` naming the ranks if the ranks are not all on one device type.
 
     Sharded sampling is bit-identical across tp sizes only on one device
-    type (DESIGN.md §6), and NCCL needs every rank on CUDA.
+    type (docs/architecture.md §6), and NCCL needs every rank on CUDA.
     """
     kinds = sorted(set(device_types))
     if len(kinds) > 1:

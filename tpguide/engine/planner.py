@@ -87,7 +87,7 @@ def plan_step(number: int, scheduled: Sequence[ScheduledRequest]) -> PlannedStep
 def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[StepPlan, Optional[List[int]]]:
     """Flatten the scheduled requests into a :class:`StepPlan` and the prompt-logprob row offsets.
 
-    Every scheduled request contributes ``1 + num_draft_tokens`` sample rows (DESIGN.md §4: a
+    Every scheduled request contributes ``1 + num_draft_tokens`` sample rows (docs/architecture.md §4: a
     non-final prefill chunk's row is computed and its sample discarded).
     """
     seqs = [

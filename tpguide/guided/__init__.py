@@ -1,4 +1,4 @@
-"""Grammar-guided decoding on the driver (DESIGN.md §5).
+"""Grammar-guided decoding on the driver (docs/architecture.md §5).
 
 ``params`` parses a request's guide, ``make_backend`` builds the xgrammar
 (default) or llguidance compiler for the tokenizer, ``GuidedDecoder`` keeps

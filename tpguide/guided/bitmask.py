@@ -1,4 +1,4 @@
-"""Token-bitmask helpers on the driver (DESIGN.md §2, §5).
+"""Token-bitmask helpers on the driver (docs/architecture.md §2, §5).
 
 A ``token_bitmask`` is int32 ``[num_rows, bitmask_size]`` on the CPU; bit ``i``
 of word ``w`` set means token ``32*w + i`` is allowed.  The driver fills full
@@ -123,7 +123,7 @@ def split_bitmask(token_bitmask: torch.Tensor, tp_size: int) -> list[torch.Tenso
     Raises
     ------
     ValueError
-        ``bitmask_size % tp_size != 0`` (the guard of DESIGN.md §2).
+        ``bitmask_size % tp_size != 0`` (the guard of docs/architecture.md §2).
     """
     bitmask_size = token_bitmask.shape[-1]
     slices = []

@@ -1,4 +1,4 @@
-"""``GuidedDecoder``: the driver's per-slot grammar matchers and bitmask (DESIGN.md §5).
+"""``GuidedDecoder``: the driver's per-slot grammar matchers and bitmask (docs/architecture.md §5).
 
 Each step the engine (on the driver, tp_rank 0)::
 

@@ -1,4 +1,4 @@
-"""The ``GrammarMatcher`` and ``GuidedBackend`` interfaces (DESIGN.md §5).
+"""The ``GrammarMatcher`` and ``GuidedBackend`` interfaces (docs/architecture.md §5).
 
 A backend compiles a guide (:class:`~tpguide.guided.params.StructuredOutputsParams`)
 once per distinct ``(backend, guide_type, guide_text)`` and hands out one

@@ -1,4 +1,4 @@
-"""Structured-output parameters of one request (DESIGN.md §5).
+"""Structured-output parameters of one request (docs/architecture.md §5).
 
 The fields follow vLLM's ``StructuredOutputsParams``; exactly one guide is set
 per request.  The request line carries them as::

@@ -1,4 +1,4 @@
-"""Per-slot grammar accounting for speculative decoding (DESIGN.md §5).
+"""Per-slot grammar accounting for speculative decoding (docs/architecture.md §5).
 
 A verification step of a guided request feeds ``[golden, d_1 .. d_k]`` to the
 target model: ``golden`` is the token sampled last step (already accepted by

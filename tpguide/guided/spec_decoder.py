@@ -1,4 +1,4 @@
-"""``SpeculativeGuidedDecoder``: bitmask rows for draft-token verification (DESIGN.md §5).
+"""``SpeculativeGuidedDecoder``: bitmask rows for draft-token verification (docs/architecture.md §5).
 
 A :class:`~tpguide.guided.decoder.GuidedDecoder` whose fill takes, per
 scheduled request, the drafts it verifies this step and fills ``1 + k``

@@ -1,6 +1,6 @@
 """Every end token of a model: the stop ids grammar backends allow at the end.
 
-A guided request may end on any token the model uses to finish (DESIGN.md §5):
+A guided request may end on any token the model uses to finish (docs/architecture.md §5):
 the config's and generation config's ``eos_token_id`` (int or list), the
 tokenizer's eos, and the chat template's end-of-turn tokens.  Missing one
 makes a finished grammar a dead end for a model that ends turns with it.

@@ -27,7 +27,7 @@ def apply_token_bitmask_inplace(
 ) -> None:
     """Set the logits of tokens the grammar disallows to ``-inf``, in place.
 
-    Two layouts (DESIGN.md §2, §3):
+    Two layouts (docs/architecture.md §2, §3):
 
     * **Vocab shard** (``d2t is None``): ``logits[:, j]`` is global token
       ``vocab_start_index + j`` and ``bitmask`` is this rank's word slice, whose

@@ -7,7 +7,7 @@ transformers fields.  It also owns the
 head-padding arithmetic that decides which ``tp_size`` values a model
 supports (:func:`pad_heads`, :meth:`ModelConfig.check_tp_size`).
 
-Head padding (DESIGN.md §7): when ``num_key_value_heads`` does not divide by
+Head padding (docs/architecture.md §7): when ``num_key_value_heads`` does not divide by
 ``tp_size``, zero KV heads are appended, each with its whole group of
 ``num_attention_heads // num_key_value_heads`` zero query heads, until the KV
 head count divides.  SmolLM2-135M (9 query heads, 3 KV heads, group 3)::

@@ -1,7 +1,7 @@
 """Pure index arithmetic of the vocabulary-parallel LM head and its bitmask.
 
 No ``torch.distributed`` here: these functions are the contract every rank
-and the driver agree on (DESIGN.md §2).  Layout for ``org_vocab_size=49157``,
+and the driver agree on (docs/architecture.md §2).  Layout for ``org_vocab_size=49157``,
 ``tp_size=2`` (``padded_vocab_size`` rounded up to ``64 * tp_size = 128``)::
 
     global token ids  0 ............................ 49157 ...... 49280
@@ -64,7 +64,7 @@ def get_bitmask_size(vocab_size: int) -> int:
 class VocabShard:
     """One rank's slice of the padded vocabulary and of the token bitmask.
 
-    Built with :meth:`create`; checks the invariants of DESIGN.md §2 on
+    Built with :meth:`create`; checks the invariants of docs/architecture.md §2 on
     construction, each with an error naming the values.
 
     Attributes

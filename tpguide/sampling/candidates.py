@@ -206,7 +206,7 @@ def fixed_point_exp_sum(d: torch.Tensor) -> torch.Tensor:
     -------
     Tensor, int64 [rows]
         Integer addition is associative, so the total over ranks does not
-        depend on how the vocabulary is split (DESIGN.md §6).
+        depend on how the vocabulary is split (docs/architecture.md §6).
     """
     e = torch.exp(d)
     e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows

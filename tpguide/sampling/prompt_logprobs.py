@@ -1,6 +1,6 @@
 """Prompt logprobs over a vocabulary-sharded logits tensor (vLLM's ``prompt_logprobs``).
 
-Prompt row ``j`` (DESIGN.md §4, ``selected_prompt_indices``) holds the
+Prompt row ``j`` (docs/architecture.md §4, ``selected_prompt_indices``) holds the
 hidden state of prompt position ``p``; its log-softmax scores the prompt
 token at ``p + 1`` (the *target*).  Each rank holds logits
 ``[rows, V_local]`` for global ids ``[vocab_start_index, vocab_end_index)``

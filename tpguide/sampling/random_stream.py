@@ -2,7 +2,7 @@
 
 Sampling over vocabulary shards is TP-invariant only if every rank draws, for
 each of its tokens, exactly the noise the unsharded run draws for that token
-(DESIGN.md §6).  A stateful generator cannot give that; a hash of the
+(docs/architecture.md §6).  A stateful generator cannot give that; a hash of the
 counter ``(seed, sample_position, global_token_id)`` can: the noise of a token
 does not depend on which rank holds it, on the shard width, on the batch
 composition or on the device.

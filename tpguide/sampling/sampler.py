@@ -1,4 +1,4 @@
-"""Exact, TP-invariant sampling over a vocabulary-sharded logits tensor (DESIGN.md §6).
+"""Exact, TP-invariant sampling over a vocabulary-sharded logits tensor (docs/architecture.md §6).
 
 Each rank holds ``logits_shard`` ``[rows, V_local]`` for global ids
 ``[vocab_start_index, vocab_end_index)`` and never sees the full row.  The
@@ -39,7 +39,7 @@ Exactness conditions (each tested in ``tests/test_sampler.py``):
   ``V * 2**-45`` relative (1.4e-9 at V=49152); this moves a top-p boundary
   only when a cumulative mass is that close to ``top_p`` and is the same on
   every tp_size.  The uniforms have 32-bit resolution.
-* Padded ids (``>= org_vocab_size``) must already be ``-inf`` (DESIGN.md §2);
+* Padded ids (``>= org_vocab_size``) must already be ``-inf`` (docs/architecture.md §2);
   a row that would sample one is flagged in ``bad_rows``.
 * Bit-identity across tp sizes also rests on elementwise ops (division,
   ``exp``, ``log``) giving an element the same result whatever the tensor's

@@ -1,6 +1,6 @@
 """Which rows of one step's hidden states are sampled, and at which positions.
 
-A pure function of the batch metadata (DESIGN.md §4): the driver computes it
+A pure function of the batch metadata (docs/architecture.md §4): the driver computes it
 once per step and broadcasts the result; no ``torch.distributed`` here.
 
 The flattened batch holds ``query_len`` new tokens per scheduled sequence, in

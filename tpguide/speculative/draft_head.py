@@ -1,4 +1,4 @@
-"""Draft head: the target's first ``L`` layers + a pruned, vocab-parallel draft LM head (DESIGN.md §3).
+"""Draft head: the target's first ``L`` layers + a pruned, vocab-parallel draft LM head (docs/architecture.md §3).
 
 A self-speculative drafter ("layer skip": Zhang et al. 2023, *Draft &
 Verify*; Elhoushi et al. 2024, *LayerSkip*): the first ``num_layers`` decoder
