@@ -42,7 +42,7 @@ def make_backend(
     stop_token_ids : list of int
         From :func:`collect_stop_token_ids`.
     **kwargs
-        Backend options (``any_whitespace``, ``cache_size``, ...).
+        Backend options (``json_whitespace``, ``cache_size``, ...).
 
     Raises
     ------

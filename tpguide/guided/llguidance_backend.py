@@ -39,6 +39,7 @@ import llguidance.torch
 import torch
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
 
 
 def _llguidance_message(text: str) -> str:
@@ -121,8 +122,9 @@ class LLGuidanceBackend(GuidedBackend):
     padded_vocab_size : int
         Bitmask width in tokens; must be at least the tokenizer's size.
     stop_token_ids : list of int
-    any_whitespace : bool
-        JSON may contain any whitespace (llguidance's ``whitespace_flexible``).
+    json_whitespace : {"compact", "bounded", "any"}
+        Default whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`);
+        a request's ``json_whitespace`` overrides it.
     cache_size : int
 
     Raises
@@ -142,7 +144,7 @@ class LLGuidanceBackend(GuidedBackend):
         padded_vocab_size: int,
         stop_token_ids: list,
         *,
-        any_whitespace: bool = True,
+        json_whitespace: str = DEFAULT_JSON_WHITESPACE,
         cache_size: int = 128,
     ) -> None:
         super().__init__(padded_vocab_size, stop_token_ids, cache_size)
@@ -151,19 +153,15 @@ class LLGuidanceBackend(GuidedBackend):
                 f"llguidance backend needs padded_vocab_size >= len(tokenizer), got "
                 f"{padded_vocab_size} < {len(tokenizer)}; the xgrammar backend supports this"
             )
-        self.any_whitespace = any_whitespace
+        self.json_whitespace = check_whitespace_mode(json_whitespace)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
         )
 
-    def _json_grammar(self, schema_text: str) -> str:
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema_text, defaults={"whitespace_flexible": self.any_whitespace}
-        )
-
-    def _serialize(self, guide_type: str, guide_text: str) -> str:
+    def _serialize(self, guide_type: str, guide_text: str, json_whitespace: str) -> str:
         if guide_type in ("json_schema", "json"):
-            return self._json_grammar(guide_text)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                guide_text, defaults=llguidance_json_options(json_whitespace or self.json_whitespace))
         if guide_type == "regex":
             return llguidance.LLMatcher.grammar_from_regex(guide_text)
         if guide_type == "choice":
@@ -191,9 +189,9 @@ class LLGuidanceBackend(GuidedBackend):
             raise ValueError("structural_tag has no structures")
         return llguidance.StructTag.to_grammar(tags)
 
-    def _compile(self, guide_type: str, guide_text: str) -> str:
+    def _compile(self, guide_type: str, guide_text: str, json_whitespace: str = "") -> str:
         try:
-            grammar = self._serialize(guide_type, guide_text)
+            grammar = self._serialize(guide_type, guide_text, json_whitespace)
         except ValueError as exc:
             raise ValueError(f"llguidance cannot compile this {guide_type}: {exc}") from exc
         except (KeyError, TypeError, AssertionError) as exc:
