@@ -59,8 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="prompt + generated tokens per request (default 2048)")
-    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
-                   help="grammar engine (default xgrammar)")
+    p.add_argument("--guided-backend", choices=["auto", "xgrammar", "llguidance"], default="auto",
+                   help="grammar engine; auto: per request xgrammar when it enforces every keyword the guide "
+                        "uses, else llguidance, else the request is refused (default auto)")
+    p.add_argument("--json-whitespace", choices=["compact", "bounded", "any"], default="bounded",
+                   help="whitespace between JSON tokens: none, at most 12 characters in a row, or any amount "
+                        "(default bounded); a request's structured_output.json_whitespace overrides it")
+    p.add_argument("--grammar-compile-timeout", type=float, default=60.0, metavar="S",
+                   help="fail a request whose guide takes longer than S seconds to check and compile (compiles "
+                        "run in a worker thread while the batch keeps stepping; default 60)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="weights and activations; logits are fp32 (default float32)")
     p.add_argument("--seed", type=int, default=0,
@@ -128,6 +135,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, guided_backend=args.guided_backend,
+                          json_whitespace=args.json_whitespace, grammar_compile_timeout_s=args.grammar_compile_timeout,
                           seed=args.seed, dtype=DTYPES[args.dtype],
                           speculative_method=args.speculative_method,
                           num_speculative_tokens=_num_speculative_tokens(args),

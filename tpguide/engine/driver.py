@@ -8,6 +8,7 @@ message, and the rest of the batch goes on.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,6 +21,9 @@ from tpguide.engine.scheduler import ScheduledRequest, Scheduler
 from tpguide.engine.speculative import make_speculator
 from tpguide.engine.step_plan import StepPlan, build_step_plan
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
+from tpguide.guided.admission import admit
+from tpguide.guided.compile_service import CompileService
+from tpguide.guided.output_check import validate_output
 from tpguide.model.vocab_shard import VocabShard
 
 
@@ -53,12 +57,16 @@ class Driver:
         self._scheduled: List[ScheduledRequest] = []
         #: ``{row: why}`` of this step's non-finite sample rows (set by the engine, see faults.py)
         self.bad_row_notes: Dict[int, str] = {}
+        self._compiles = CompileService(config.grammar_compile_timeout_s)  # guided admission, off the loop
+        self._compiling: Dict[int, Request] = {}
+        self.admission_failures: List[Request] = []  # failed in admission since the engine last looked
 
     # ------------------------------------------------------------ admission
     def _guided_decoder(self) -> GuidedDecoder:
         if self.guided is None:
             self._backend = make_backend(self.config.guided_backend, self.tokenizer,
-                                         self.padded_vocab_size, sorted(self.stop_token_ids))
+                                         self.padded_vocab_size, sorted(self.stop_token_ids),
+                                         json_whitespace=self.config.json_whitespace)
             if self.spec is None:
                 self.guided = GuidedDecoder(self._backend, self.padded_vocab_size,
                                             self.config.max_num_seqs)
@@ -93,8 +101,6 @@ class Driver:
                 f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling_params.max_tokens}) = "
                 f"{total} exceeds max_model_len={limit}"
             )
-        if req.structured_output is not None:
-            self._guided_decoder().backend.compile(req.structured_output)
         req.prompt_token_ids = ids
         if req.sampling_params.seed is not None:
             req.seed = req.sampling_params.seed
@@ -109,18 +115,41 @@ class Driver:
             if not req.is_finished:
                 try:
                     self._prepare(req)
-                    self.scheduler.add(req)
+                    if req.structured_output is None:
+                        self.scheduler.add(req)
+                    else:  # checks + compile in a worker thread; joins the batch in schedule()
+                        self._compiling[req.index] = req
+                        self._compiles.submit(req.index, functools.partial(
+                            admit, self._guided_decoder().backend, req.structured_output))
                 except ValueError as exc:
                     req.fail(str(exc))
             if req.is_finished:
                 self._bar.update(1)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose guide finished compiling join the scheduler; refused ones fail."""
+        for index, result, error in self._compiles.collect():
+            req = self._compiling.pop(index)
+            if error is None:
+                req.guided_backend = result[0]
+                self.scheduler.add(req)
+                continue
+            req.fail(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
+            self.admission_failures.append(req)
+            if self._bar is not None:
+                self._bar.update(1)
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> List[ScheduledRequest]:
+        self._admit_compiled()
         scheduled = self.scheduler.schedule()
+        while not scheduled and self._compiling:  # nothing runs: wait for a compile
+            self._compiles.wait()
+            self._admit_compiled()
+            scheduled = self.scheduler.schedule()
         for s in scheduled:
             req = s.request
             if s.start_position == 0 and req.structured_output is not None:
@@ -257,13 +286,17 @@ class Driver:
         """The output line of one request (final once ``req.is_finished``)."""
         ids = req.output_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if req.finish_reason == "stop" and req.structured_output is not None:
+            invalid = validate_output(req.structured_output, text)  # the last line of defence
+            if invalid is not None:
+                req.finish_reason, req.error = "error", invalid
         elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
         return RequestOutput(
             id=req.request_id, text=text, token_ids=list(ids),
             finish_reason=req.finish_reason or "error", error=req.error,
             num_prompt_tokens=len(req.prompt_token_ids),
             logprobs=req.output_logprobs if req.sampling_params.logprobs else None,
-            elapsed_s=elapsed,
+            elapsed_s=elapsed, guided_backend=req.guided_backend,
             prompt_logprobs=([None] + req.prompt_logprobs
                              if req.sampling_params.prompt_logprobs is not None and req.prompt_token_ids
                              and req.finish_reason != "error"

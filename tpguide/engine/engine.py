@@ -35,6 +35,7 @@ from tpguide.engine.prompt_logprobs import prompt_logprobs_for_plan
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.sampler import sample
 from tpguide.engine.step_plan import StepPlan
+from tpguide.guided.whitespace import check_whitespace_mode
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 
@@ -51,7 +52,15 @@ class EngineConfig:
         Token budget per step; longer prompts are prefilled in chunks.
     max_model_len : int
         Prompt plus generated tokens per request (KV-cache length).
-    guided_backend : {"xgrammar", "llguidance"}
+    guided_backend : {"auto", "xgrammar", "llguidance"}
+        ``auto``: per request, xgrammar if it enforces the guide, else llguidance
+        (:mod:`tpguide.guided.auto_backend`).
+    json_whitespace : {"compact", "bounded", "any"}
+        Whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`); a
+        request's ``structured_output.json_whitespace`` overrides it.
+    grammar_compile_timeout_s : float or None
+        A guide whose admission (checks + compile, in a worker thread) takes
+        longer fails its request; None = no limit.
     seed : int
         Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
     dtype : torch.dtype
@@ -78,7 +87,9 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
-    guided_backend: str = "xgrammar"
+    guided_backend: str = "auto"
+    json_whitespace: str = "bounded"
+    grammar_compile_timeout_s: Optional[float] = 60.0
     seed: int = 0
     dtype: torch.dtype = torch.float32
     speculative_method: Optional[str] = None
@@ -96,8 +107,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.guided_backend not in ("xgrammar", "llguidance"):
-            raise ValueError(f"guided_backend must be 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        if self.guided_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(f"guided_backend must be 'auto', 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        check_whitespace_mode(self.json_whitespace)
+        if self.grammar_compile_timeout_s is not None and self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0 or None, got {self.grammar_compile_timeout_s}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
@@ -186,11 +200,13 @@ class Engine:
                 out = self._execute(plan, future)
                 in_step = False
                 drv.process_outputs(scheduled, out)
-                self._report_finished([s.request for s in scheduled], on_output, reported)
+                self._report_finished([s.request for s in scheduled] + drv.admission_failures, on_output, reported)
+                drv.admission_failures.clear()
         except Exception as exc:
             if not in_step:
                 C.broadcast_object(abort_plan_for(exc), self.group)
             raise
+        self._report_finished(drv.requests, on_output, reported)  # refused at admission after the last step
         return drv.finish()
 
     def _report_finished(self, requests: Sequence[Request], on_output, reported: set) -> None:

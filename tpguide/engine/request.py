@@ -36,6 +36,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
 
     @property
     def is_finished(self) -> bool:
@@ -81,6 +82,7 @@ class RequestOutput:
     logprobs: Optional[List[Dict[str, Any]]] = None
     elapsed_s: float = 0.0
     prompt_logprobs: Optional[List[Optional[Dict[str, Any]]]] = None
+    guided_backend: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         out = {
@@ -95,4 +97,6 @@ class RequestOutput:
             out["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs
+        if self.guided_backend is not None:
+            out["guided_backend"] = self.guided_backend
         return out
