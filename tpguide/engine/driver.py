@@ -8,6 +8,7 @@ message, and the rest of the batch goes on.
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import time
@@ -58,7 +59,8 @@ class Driver:
         #: ``{row: why}`` of this step's non-finite sample rows (set by the engine, see faults.py)
         self.bad_row_notes: Dict[int, str] = {}
         self._compiles = CompileService(config.grammar_compile_timeout_s)  # guided admission, off the loop
-        self._compiling: Dict[int, Request] = {}
+        self._arrivals: collections.deque = collections.deque()  # prepared, not yet in the scheduler (FIFO)
+        self._compiled: Dict[int, tuple] = {}  # request index -> (result, error) of its admission
         self.admission_failures: List[Request] = []  # failed in admission since the engine last looked
 
     # ------------------------------------------------------------ admission
@@ -115,26 +117,27 @@ class Driver:
             if not req.is_finished:
                 try:
                     self._prepare(req)
-                    if req.structured_output is None:
-                        self.scheduler.add(req)
-                    else:  # checks + compile in a worker thread; joins the batch in schedule()
-                        self._compiling[req.index] = req
+                    if req.structured_output is not None:  # checks + compile in a worker thread
                         self._compiles.submit(req.index, functools.partial(
                             admit, self._guided_decoder().backend, req.structured_output))
+                    self._arrivals.append(req)  # joins the scheduler in schedule(), in arrival order
                 except ValueError as exc:
                     req.fail(str(exc))
             if req.is_finished:
                 self._bar.update(1)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self._arrivals)
 
-    def _admit_compiled(self) -> None:
-        """Requests whose guide finished compiling join the scheduler; refused ones fail."""
-        for index, result, error in self._compiles.collect():
-            req = self._compiling.pop(index)
+    def _admit_arrivals(self) -> None:
+        """Arrivals join the scheduler in order, each once its guide is admitted; refused ones fail."""
+        self._compiled.update((index, (result, error)) for index, result, error in self._compiles.collect())
+        while self._arrivals and (self._arrivals[0].structured_output is None
+                                  or self._arrivals[0].index in self._compiled):
+            req = self._arrivals.popleft()
+            result, error = self._compiled.pop(req.index, (None, None))
             if error is None:
-                req.guided_backend = result[0]
+                req.guided_backend = result[0] if result is not None else None
                 self.scheduler.add(req)
                 continue
             req.fail(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
@@ -144,12 +147,11 @@ class Driver:
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> List[ScheduledRequest]:
-        self._admit_compiled()
-        scheduled = self.scheduler.schedule()
-        while not scheduled and self._compiling:  # nothing runs: wait for a compile
+        self._admit_arrivals()
+        while self._arrivals and not self.scheduler.running:  # nothing runs (a start): wait, admit in order
             self._compiles.wait()
-            self._admit_compiled()
-            scheduled = self.scheduler.schedule()
+            self._admit_arrivals()
+        scheduled = self.scheduler.schedule()
         for s in scheduled:
             req = s.request
             if s.start_position == 0 and req.structured_output is not None:
