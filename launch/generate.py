@@ -143,8 +143,8 @@ def main(argv=None) -> int:
                           draft_lens=args.draft_lens)
     engine = build_engine(group, args.model, config)
     if not group.is_driver:
-        engine.run_worker()
-        destroy_tp_group(group)
+        engine.run_worker()  # joins its bitmask thread when the stop plan arrives
+        destroy_tp_group(group)  # barrier, then destroy
         return 0
     requests = load_requests(args)
     done = load_finished(args.output, args.retry_errors) if (args.resume and args.output) else {}
@@ -217,5 +217,22 @@ def run(argv=None) -> int:
     os._exit(1)
 
 
+def exit_now(status: int) -> None:
+    """Flush stdout and stderr, then leave with ``status`` without interpreter teardown.
+
+    After the job is done (outputs written, process group destroyed in order)
+    nothing is left to clean up; teardown could only fail: under load a
+    native thread pool (gloo, xgrammar) was seen to abort at exit ("terminate
+    called without an active exception", SIGABRT) after every output line had
+    been written, turning a finished job into a failed one.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_now(run())

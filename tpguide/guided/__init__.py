@@ -53,11 +53,16 @@ def make_backend(
     if name == "auto":
         from tpguide.guided.auto_backend import AUTO_ORDER, AutoBackend
 
-        backends = {}
+        backends, unavailable = {}, {}
         for each in AUTO_ORDER:
             options = {k: v for k, v in kwargs.items() if each == "xgrammar" or k != "max_threads"}
-            backends[each] = make_backend(each, tokenizer, padded_vocab_size, stop_token_ids, **options)
-        return AutoBackend(backends)
+            try:
+                backends[each] = make_backend(each, tokenizer, padded_vocab_size, stop_token_ids, **options)
+            except ValueError as exc:  # e.g. llguidance cannot read the tokenizer: auto goes on without it
+                unavailable[each] = str(exc)
+        if not backends:
+            raise ValueError(f"no guided backend can use this tokenizer: {unavailable}")
+        return AutoBackend(backends, unavailable=unavailable)
     if name == "xgrammar":
         from tpguide.guided.xgrammar_backend import XGrammarBackend
 

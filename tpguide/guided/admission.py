@@ -98,7 +98,8 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
 def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> None:
     """Raise :class:`GuideRefused` if ``backend_name`` cannot enforce every keyword of ``params``' schema.
 
-    No-op for non-schema guides and for ``params.strict == False``.
+    A regex guide is checked as a schema ``pattern`` (xgrammar ignores
+    look-around).  No-op for other guides and for ``params.strict == False``.
 
     Raises
     ------
@@ -106,9 +107,13 @@ def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> Non
         Lists each unenforced keyword with its JSON pointer into the schema,
         e.g. ``'uniqueItems' is not enforced by xgrammar (at /properties/tags/uniqueItems)``.
     """
-    if not params.strict or params.guide_type != "json_schema":
+    if not params.strict or params.guide_type not in ("json_schema", "regex"):
         return
-    found = unenforced_keywords(json.loads(params.guide_text), backend_name)
+    if params.guide_type == "regex":  # a regex guide is refused where a schema "pattern" like it would be
+        found = [(pointer, why.replace("'pattern", "'regex")) for pointer, why in
+                 unenforced_keywords({"type": "string", "pattern": params.regex}, backend_name)]
+    else:
+        found = unenforced_keywords(json.loads(params.guide_text), backend_name)
     if found:
         shown = "; ".join(f"{why} (at {pointer})" for pointer, why in found[:8])
         more = f"; and {len(found) - 8} more" if len(found) > 8 else ""

@@ -15,7 +15,7 @@ grammar runs on xgrammar.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from tpguide.guided.admission import GuideRefused, admit
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
@@ -42,6 +42,8 @@ class AutoBackend(GuidedBackend):
     backends : dict of str to GuidedBackend
         Built for the same tokenizer, ``padded_vocab_size`` and stop ids;
         tried in :data:`AUTO_ORDER`.
+    unavailable : dict of str to str, optional
+        Backends that could not be built for this tokenizer, with the reason.
 
     Raises
     ------
@@ -52,7 +54,8 @@ class AutoBackend(GuidedBackend):
     name = "auto"
     is_auto = True
 
-    def __init__(self, backends: Dict[str, GuidedBackend], cache_size: int = 128) -> None:
+    def __init__(self, backends: Dict[str, GuidedBackend], cache_size: int = 128,
+                 unavailable: Optional[Dict[str, str]] = None) -> None:
         if not backends:
             raise ValueError("AutoBackend needs at least one backend")
         sizes = {b.padded_vocab_size for b in backends.values()}
@@ -63,6 +66,8 @@ class AutoBackend(GuidedBackend):
         self.backends = {n: backends[n] for n in AUTO_ORDER if n in backends}
         self.supported_guide_types = frozenset().union(*(b.supported_guide_types for b in backends.values()))
         self.json_whitespace = first.json_whitespace
+        #: ``{name: why}`` of backends that could not be built (they are skipped, and named in refusals)
+        self.unavailable = dict(unavailable or {})
 
     def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
         """The first backend's admitted compilation (cached by ``params.cache_key``).
@@ -77,7 +82,7 @@ class AutoBackend(GuidedBackend):
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        reasons = []
+        reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
         for name, backend in self.backends.items():
             try:
                 _, compiled = admit(backend, params)

@@ -19,8 +19,12 @@ Instances list properties in schema order (xgrammar's default order).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+#: A look-ahead or look-behind group in a regex (``(?=``, ``(?!``, ``(?<=``, ``(?<!``).
+LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,18 @@ _CASES_2020 = [
     KeywordCase("exclusiveMinimum", "2020-12", {"type": "integer", "exclusiveMinimum": 10}, 11, 10),
     KeywordCase("maximum (number)", "2020-12", {"type": "number", "maximum": 1.5}, 1.25, 1.75),
     KeywordCase("minimum (number)", "2020-12", {"type": "number", "minimum": 1.5}, 1.75, 1.25),
+    KeywordCase("multipleOf (number)", "2020-12", {"type": "number", "multipleOf": 0.5}, 1.5, 1.25),
     KeywordCase("maxLength", "2020-12", {"type": "string", "maxLength": 3}, "abc", "abcd"),
     KeywordCase("minLength", "2020-12", {"type": "string", "minLength": 3}, "abc", "ab"),
+    KeywordCase("maxLength (with pattern)", "2020-12",
+                {"type": "string", "pattern": "^[a-c]+$", "maxLength": 3}, "abc", "abca"),
+    KeywordCase("minLength (with pattern)", "2020-12",
+                {"type": "string", "pattern": "^[a-c]+$", "minLength": 3}, "abc", "ab"),
+    KeywordCase("maxLength (with format)", "2020-12",
+                {"type": "string", "format": "email", "maxLength": 7}, "a@b.org", "ab@b.org"),
     KeywordCase("pattern", "2020-12", {"type": "string", "pattern": "^[a-c]+$"}, "abc", "abd"),
+    KeywordCase("pattern (lookaround)", "2020-12",
+                {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]+$"}, "a1", "ab"),
     KeywordCase("maxItems", "2020-12", {"type": "array", "items": _INT, "maxItems": 2}, [1, 2], [1, 2, 3]),
     KeywordCase("minItems", "2020-12", {"type": "array", "items": _INT, "minItems": 2}, [1, 2], [1]),
     KeywordCase("uniqueItems", "2020-12", {"type": "array", "items": _INT, "uniqueItems": True}, [1, 2], [1, 1]),
@@ -179,7 +192,8 @@ def keyword_key(keyword: str, value: Any, schema: dict) -> str:
     Distinguishes the spellings and forms the backends treat differently:
     array vs schema ``items``, ``items`` after ``prefixItems``, boolean
     ``exclusiveMinimum``, array vs schema ``dependencies``, each ``format``,
-    numeric bounds on ``number`` vs ``integer``, schema vs boolean
+    numeric bounds and ``multipleOf`` on ``number`` vs ``integer``, length
+    bounds beside a ``pattern`` or ``format``, a ``pattern`` with look-around, schema vs boolean
     ``additionalProperties``.  Other keywords map to themselves; ``then`` and
     ``else`` map to ``"if/then/else"``.
     """
@@ -194,8 +208,14 @@ def keyword_key(keyword: str, value: Any, schema: dict) -> str:
     if keyword == "dependencies" and isinstance(value, dict):
         forms = {"array" if isinstance(v, list) else "schema" for v in value.values()}
         return f"dependencies ({'array' if forms == {'array'} else 'schema'})"
-    if keyword in ("maximum", "minimum") and schema.get("type") == "number":
+    if keyword in ("maximum", "minimum", "multipleOf") and schema.get("type") == "number":
         return f"{keyword} (number)"
+    if keyword == "pattern" and isinstance(value, str) and LOOKAROUND.search(value):
+        return "pattern (lookaround)"
+    if keyword in ("minLength", "maxLength") and "pattern" in schema:
+        return f"{keyword} (with pattern)"
+    if keyword == "maxLength" and "format" in schema:
+        return "maxLength (with format)"
     if keyword == "additionalProperties" and isinstance(value, dict):
         return "additionalProperties (schema)"
     if keyword in ("if", "then", "else"):

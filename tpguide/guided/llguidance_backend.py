@@ -180,9 +180,15 @@ class LLGuidanceBackend(GuidedBackend):
                 f"{padded_vocab_size} < {producible_vocab_size(tokenizer)}; the xgrammar backend supports this"
             )
         self.json_whitespace = check_whitespace_mode(json_whitespace)
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
-        )
+        try:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
+            )
+        except Exception as exc:  # llguidance raises ValueError/RuntimeError on tokenizers it cannot read
+            raise ValueError(
+                f"llguidance cannot use this tokenizer ({type(exc).__name__}: {exc}; {len(tokenizer)} tokens, "
+                f"ids up to {producible_vocab_size(tokenizer) - 1}); the xgrammar backend supports it"
+            ) from exc
         #: The tokenizer turns the text U+2581 into its metaspace (see the module docstring).
         self.rewrites_metaspace = rewrites_metaspace(self.ll_tokenizer)
 
