@@ -82,6 +82,31 @@ def summarise(requests: list, outputs: list) -> dict:
     return {"counts": counts, "refusals": refusals, "invalid": invalid}
 
 
+def admission_only(requests: list, backends: list) -> int:
+    """Print, per backend, how many schemas admission accepts (the embedded model's tokenizer)."""
+    sys.path.insert(0, REPO)
+    from transformers import AutoTokenizer
+
+    from tpguide.engine.request_io import request_from_dict
+    from tpguide.guided import collect_stop_token_ids, make_backend
+    from tpguide.guided.admission import admit
+    from tpguide.model.default_model import default_model_dir
+
+    model_dir = str(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = collect_stop_token_ids(tokenizer, model_dir)
+    size = -(-len(tokenizer) // 64) * 64
+    for name in backends:
+        backend, counts = make_backend(name, tokenizer, size, stops), collections.Counter()
+        for i, r in enumerate(requests):
+            try:
+                counts["admitted on " + admit(backend, request_from_dict(r, i, 64).structured_output)[0]] += 1
+            except ValueError:
+                counts["refused"] += 1
+        print(f"{name}: {dict(sorted(counts.items()))} of {len(requests)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", default=DEFAULT_REQUESTS)
@@ -89,14 +114,27 @@ def main(argv=None) -> int:
                    help="comma-separated BACKEND:WHITESPACE pairs")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", default=None, help="keep the output files here (default: a temporary folder)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap every request's max_tokens (the file asks 256; a smaller cap makes a run on a slow "
+                        "CPU feasible, and 'length' then counts requests cut at the cap)")
+    p.add_argument("--admission-only", action="store_true",
+                   help="only admit each schema on each backend (checks + compile, no generation): coverage")
     args = p.parse_args(argv)
     if not os.path.isfile(args.requests):
         print(f"no request file at {args.requests}", file=sys.stderr)
         return 1
     with open(args.requests, encoding="utf-8") as f:
         requests = [json.loads(line) for line in f if line.strip()]
+    if args.admission_only:
+        return admission_only(requests, sorted({spec.split(":")[0] for spec in args.runs.split(",")}))
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="bench-schemas-")
     os.makedirs(out_dir, exist_ok=True)
+    if args.max_tokens is not None:
+        for r in requests:
+            r["max_tokens"] = min(r.get("max_tokens", args.max_tokens), args.max_tokens)
+        args.requests = os.path.join(out_dir, f"requests-max{args.max_tokens}.jsonl")
+        with open(args.requests, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in requests)
     rows = []
     for spec in args.runs.split(","):
         backend, whitespace = spec.split(":")
