@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,11 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=50)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--burners", type=int, default=1, help="CPU-bound processes running beside the jobs")
+    p.add_argument("--guided-backend", default="xgrammar",
+                   help="passed to generate.py (default xgrammar: one backend to build per job, so a job is cheaper "
+                        "than with auto)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the burners
     from tpguide.model.default_model import default_model_dir
     from tpguide.model.random_checkpoint import write_random_checkpoint
 
@@ -53,7 +58,8 @@ def main(argv=None) -> int:
         for job in range(args.jobs):
             out = os.path.join(work, f"out-{job}.jsonl")
             cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.join(HERE, "generate.py"),
-                   "--model", model, "--requests", requests, "--output", out, "--quiet"]
+                   "--model", model, "--requests", requests, "--output", out, "--quiet",
+                   "--guided-backend", args.guided_backend]
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
             lines = open(out, encoding="utf-8").read().count("\n") if os.path.exists(out) else 0
             ok = proc.returncode == 0 and lines == len(REQUESTS)

@@ -8,8 +8,9 @@ pure function of the guide and the installed backends, so every run makes the
 same one; only the driver chooses (the other ranks never see grammars).  The
 output line names the backend that ran (``"guided_backend"``).
 
-A Lark grammar fails to compile on xgrammar and runs on llguidance; a GBNF
-grammar runs on xgrammar.
+A ``grammar`` guide goes by its syntax, not by trial: GBNF (it has ``::=``)
+only to xgrammar, Lark only to llguidance, so a GBNF syntax error is
+reported as such and never reinterpreted by the other parser.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class AutoBackend(GuidedBackend):
                 self._cache.move_to_end(key)
                 return self._cache[key]
         reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
-        for name, backend in self.backends.items():
+        for name, backend in self._candidates(params).items():
             try:
                 _, compiled = admit(backend, params)
             except ValueError as exc:
@@ -96,6 +97,13 @@ class AutoBackend(GuidedBackend):
                     self._cache.popitem(last=False)
             return result
         raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
+
+    def _candidates(self, params: StructuredOutputsParams) -> Dict[str, GuidedBackend]:
+        """Backends to try for ``params``, in order (a grammar by its syntax, see the module docstring)."""
+        if params.guide_type != "grammar":
+            return self.backends
+        wanted = "xgrammar" if "::=" in params.grammar else "llguidance"
+        return {n: b for n, b in self.backends.items() if n == wanted}
 
     def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:  # pragma: no cover
         raise NotImplementedError("AutoBackend compiles through compile()")
