@@ -23,8 +23,15 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="prompt + generated tokens per request (default 2048)")
-    p.add_argument("--guided-backend", choices=["xgrammar", "llguidance"], default="xgrammar",
-                   help="grammar engine (default xgrammar)")
+    p.add_argument("--guided-backend", choices=["auto", "xgrammar", "llguidance"], default="auto",
+                   help="grammar engine; auto: per request xgrammar when it enforces every keyword the guide "
+                        "uses, else llguidance, else the request is refused (default auto)")
+    p.add_argument("--json-whitespace", choices=["compact", "bounded", "any"], default="bounded",
+                   help="whitespace between JSON tokens: none, at most 12 characters in a row, or any amount "
+                        "(default bounded); a request's structured_output.json_whitespace overrides it")
+    p.add_argument("--grammar-compile-timeout", type=float, default=60.0, metavar="S",
+                   help="fail a request whose guide takes longer than S seconds to check and compile (compiles "
+                        "run in a worker thread while the batch keeps stepping; default 60)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="weights and activations; logits are fp32.  auto (the default): on CPU bfloat16 if "
                         "the CPU has AVX512_BF16 or AMX, else float32; on CUDA the checkpoint's dtype")
@@ -73,6 +80,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         k = 4 if args.speculative_method else 0
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, guided_backend=args.guided_backend,
+                        json_whitespace=args.json_whitespace, grammar_compile_timeout_s=args.grammar_compile_timeout,
                         seed=args.seed, dtype=_dtype(args), tp_invariant=args.tp_invariant,
                         speculative_method=args.speculative_method,
                         num_speculative_tokens=k, draft_num_layers=args.draft_num_layers,

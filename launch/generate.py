@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
         engine.runner.on_step = step_fault_hook(group)
     if not group.is_driver:
-        engine.run_worker()
-        destroy_tp_group(group)
+        engine.run_worker()  # joins its bitmask thread when the stop plan arrives
+        destroy_tp_group(group)  # barrier, then destroy
         return 0
     requests = load_requests(args)
     done = load_finished(args.output, args.retry_errors) if (args.resume and args.output) else {}
@@ -122,5 +122,22 @@ def run(argv=None) -> int:
     return run_main(main, argv)
 
 
+def exit_now(status: int) -> None:
+    """Flush stdout and stderr, then leave with ``status`` without interpreter teardown.
+
+    After the job is done (outputs written, process group destroyed in order)
+    nothing is left to clean up; teardown could only fail: under load a
+    native thread pool (gloo, xgrammar) was seen to abort at exit ("terminate
+    called without an active exception", SIGABRT) after every output line had
+    been written, turning a finished job into a failed one.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_now(run())

@@ -109,5 +109,5 @@ def test_collect_stop_token_ids_errors(tmp_path):
 
 
 def test_make_backend_unknown_name():
-    with pytest.raises(ValueError, match=r"'outlines'.*\['xgrammar', 'llguidance'\]"):
+    with pytest.raises(ValueError, match=r"'outlines'.*\['auto', 'xgrammar', 'llguidance'\]"):
         make_backend("outlines", None, 64, [0])

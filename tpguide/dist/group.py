@@ -164,7 +164,19 @@ def check_same_device_type(device_types: list[str]) -> None:
                          f"(CUDA_VISIBLE_DEVICES=\"\")")
 
 
-def destroy_tp_group(group: TPGroup) -> None:
-    """Tear down ``torch.distributed`` if ``group`` used it (no-op at size 1)."""
+def destroy_tp_group(group: TPGroup, barrier: bool = True) -> None:
+    """Tear down ``torch.distributed`` if ``group`` used it (no-op at size 1).
+
+    Safe order: a barrier first (``barrier=True``), so no rank destroys its
+    process group while a peer is still inside the last collective (the stop
+    plan's broadcast), then ``destroy_process_group``.
+
+    Raises
+    ------
+    torch.distributed.DistError
+        The barrier failed (a peer died or timed out).
+    """
     if group.process_group is not None and dist.is_initialized():
+        if barrier:
+            dist.barrier(group=group.process_group)
         dist.destroy_process_group()

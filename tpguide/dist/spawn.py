@@ -49,7 +49,7 @@ def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue
         # would vanish when this process exits
         result = pickle.dumps(fn(group, *args))
         queue.put((rank, True, result))
-        destroy_tp_group(group)
+        destroy_tp_group(group, barrier=False)  # a peer that raised never reaches a barrier
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, False, traceback.format_exc()))
 

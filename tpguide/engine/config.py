@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from tpguide.guided.whitespace import check_whitespace_mode
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -20,7 +22,15 @@ class EngineConfig:
         Token budget per step; longer prompts are prefilled in chunks.
     max_model_len : int
         Prompt plus generated tokens per request (KV-cache length).
-    guided_backend : {"xgrammar", "llguidance"}
+    guided_backend : {"auto", "xgrammar", "llguidance"}
+        ``auto``: per request, xgrammar if it enforces the guide, else llguidance
+        (:mod:`tpguide.guided.auto_backend`).
+    json_whitespace : {"compact", "bounded", "any"}
+        Whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`); a
+        request's ``structured_output.json_whitespace`` overrides it.
+    grammar_compile_timeout_s : float or None
+        A guide whose admission (checks + compile, in a worker thread) takes
+        longer fails its request; None = no limit.
     seed : int
         Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
     dtype : torch.dtype
@@ -51,7 +61,9 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
-    guided_backend: str = "xgrammar"
+    guided_backend: str = "auto"
+    json_whitespace: str = "bounded"
+    grammar_compile_timeout_s: Optional[float] = 60.0
     seed: int = 0
     dtype: torch.dtype = torch.float32
     tp_invariant: bool = True
@@ -70,8 +82,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.guided_backend not in ("xgrammar", "llguidance"):
-            raise ValueError(f"guided_backend must be 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        if self.guided_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(f"guided_backend must be 'auto', 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        check_whitespace_mode(self.json_whitespace)
+        if self.grammar_compile_timeout_s is not None and self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0 or None, got {self.grammar_compile_timeout_s}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

@@ -16,6 +16,7 @@ compile, a dead end or a matcher error finishes that request with
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from typing import List, Optional, Sequence, Set, Tuple
@@ -28,6 +29,9 @@ from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import Scheduler
 from tpguide.engine.step_finisher import StepFinisher
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
+from tpguide.guided.admission import admit
+from tpguide.guided.compile_service import CompileService
+from tpguide.guided.output_check import validate_output
 from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepResult
 
@@ -63,6 +67,9 @@ class Driver:
         self.num_steps = 0
         self._unreported: deque = deque()  # finished outside a step (admission errors, aborts)
         self._aborts: List[str] = []
+        self._compiles = CompileService(config.grammar_compile_timeout_s)  # guide checks + compile, off the loop
+        self._arrivals: deque = deque()  # admitted, waiting for their guide to compile (FIFO into the scheduler)
+        self._compiled: dict = {}  # request index -> (result, error) of its guide's admission
 
     @property
     def stop_token_ids(self) -> Set[int]:
@@ -78,7 +85,7 @@ class Driver:
         """The matchers (built with the backend on first use)."""
         if self.guided is None:
             backend = make_backend(self.config.guided_backend, self.tokenizer, self.padded_vocab_size,
-                                   sorted(self.stop_token_ids))
+                                   sorted(self.stop_token_ids), json_whitespace=self.config.json_whitespace)
             if self.spec is None:
                 self.guided = GuidedDecoder(backend, self.padded_vocab_size, self.config.max_num_seqs)
             else:  # 1 + K rows per request
@@ -94,16 +101,49 @@ class Driver:
         return tokenize_prompt(self.tokenizer, req)
 
     def add_request(self, req: Request) -> None:
-        """Admit ``req`` (:func:`~tpguide.engine.admission.admit_request`) and queue it; never raises for bad input."""
+        """Admit ``req`` (:func:`~tpguide.engine.admission.admit_request`) and queue it; never raises for bad input.
+
+        A guide is checked (fail closed, :mod:`tpguide.guided.admission`) and
+        compiled in a worker thread (:class:`~tpguide.guided.compile_service.CompileService`);
+        requests join the scheduler in arrival order, each once its guide is
+        admitted, while the running ones keep stepping.
+        """
         if not req.is_finished:
             try:
-                admit_request(req, self.tokenizer, self.config, lambda p: self.guided_decoder().backend.compile(p))
+                admit_request(req, self.tokenizer, self.config, self._submit_guide(req))
             except ValueError as exc:
                 req.fail(str(exc))
         if req.is_finished:
             self._unreported.append(req)
         else:
-            self.scheduler.add(req)
+            self._arrivals.append(req)
+            self._admit_arrivals()
+
+    def _submit_guide(self, req: Request):
+        def submit(params) -> None:
+            self._compiles.submit(req.index, functools.partial(admit, self.guided_decoder().backend, params))
+        return submit
+
+    def _admit_arrivals(self, wait_s: float = 0.0) -> None:
+        """Move the admitted prefix of the arrivals into the scheduler; refused guides fail their request.
+
+        ``wait_s`` > 0: with nothing running, wait up to that long for a compile first.
+        """
+        if wait_s > 0 and self._arrivals and not self.scheduler.has_unfinished():
+            self._compiles.wait(wait_s)
+        waiting = {r.index for r in self._arrivals}  # results of aborted arrivals are dropped
+        self._compiled.update((index, (result, error)) for index, result, error in self._compiles.collect()
+                              if index in waiting)
+        while self._arrivals and (self._arrivals[0].structured_output is None
+                                  or self._arrivals[0].index in self._compiled):
+            req = self._arrivals.popleft()
+            result, error = self._compiled.pop(req.index, (None, None))
+            if error is None:
+                req.guided_backend = result[0] if result is not None else None
+                self.scheduler.add(req)
+            else:
+                req.fail(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
+                self._unreported.append(req)
 
     def abort_request(self, request_id: str) -> None:
         """Finish ``request_id`` with ``"abort"`` at the next step boundary (unknown ids are ignored)."""
@@ -111,7 +151,7 @@ class Driver:
 
     def has_unfinished_requests(self) -> bool:
         """True while some added request has not had its final output returned."""
-        return self.scheduler.has_unfinished() or bool(self._unreported)
+        return self.scheduler.has_unfinished() or bool(self._unreported) or bool(self._arrivals)
 
     def has_work(self) -> bool:
         """True when the next step runs the model (some request is waiting or running)."""
@@ -119,9 +159,20 @@ class Driver:
 
     # ------------------------------------------------------------ step boundary
     def take_finished_outside_steps(self) -> List[RequestOutput]:
-        """Apply pending aborts; final outputs of requests that finished outside a step."""
+        """Admit compiled arrivals, apply pending aborts; final outputs of requests that finished outside a step.
+
+        With nothing running and guides still compiling, waits a little
+        (50 ms) for them: no collective is made while waiting.
+        """
+        self._admit_arrivals(wait_s=0.05)
         aborts, self._aborts = set(self._aborts), []
         if aborts:
+            for req in [r for r in self._arrivals if r.request_id in aborts]:
+                req.finish("abort")  # its compile result is dropped when it arrives
+                self._unreported.append(req)
+            kept = [r for r in self._arrivals if not r.is_finished]
+            self._arrivals.clear()
+            self._arrivals.extend(kept)
             waiting = self.scheduler.waiting
             for req in [r for r in waiting if r.request_id in aborts]:
                 req.finish("abort")
@@ -207,6 +258,10 @@ class Driver:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
         if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it
             text = text[:req.stop_text_cut]
+        if req.finish_reason == "stop" and req.structured_output is not None:
+            invalid = validate_output(req.structured_output, text)  # the last line of defence (fail closed)
+            if invalid is not None:
+                req.finish_reason, req.error = "error", invalid
         elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
         want_logprobs = bool(req.sampling_params.logprobs)
         return RequestOutput(
@@ -220,5 +275,5 @@ class Driver:
                              if req.sampling_params.prompt_logprobs is not None and req.prompt_token_ids
                              and req.finish_reason != "error"
                              else None),
-            elapsed_s=elapsed,
+            elapsed_s=elapsed, guided_backend=req.guided_backend,
         )

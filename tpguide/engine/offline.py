@@ -16,6 +16,7 @@ from tpguide.engine.config import EngineConfig
 from tpguide.engine.engine import Engine
 from tpguide.engine.request import RequestOutput
 from tpguide.engine.request_io import parse_request_lines
+from tpguide.guided.tokenizer_vocab import producible_vocab_size
 from tpguide.model.config import ModelConfig
 
 
@@ -52,7 +53,7 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
             error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
     tokenizer_vocab_size, all_stop_ids, error = C.broadcast_object(
-        (len(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
+        (producible_vocab_size(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
     if error is not None:
         raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
     model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size,

@@ -41,6 +41,7 @@ class Request:
     finish_time: Optional[float] = None
     num_reported_tokens: int = 0
     stop_text_cut: Optional[int] = None  # output text length when a stop string finished the request
+    guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
 
     @property
     def is_finished(self) -> bool:
@@ -126,6 +127,7 @@ class RequestOutput:
     def id(self) -> str:
         """The request id under its output-line key."""
         return self.request_id
+    guided_backend: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         """The output line: ``{"id", "text", "token_ids", "finish_reason", "error", "num_prompt_tokens"}``
@@ -142,6 +144,8 @@ class RequestOutput:
             out["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs
+        if self.guided_backend is not None:
+            out["guided_backend"] = self.guided_backend
         return out
 
     @classmethod

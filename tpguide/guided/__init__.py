@@ -24,7 +24,7 @@ from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsPara
 from tpguide.guided.stop_tokens import collect_stop_token_ids
 
 #: Names accepted by :func:`make_backend`.
-BACKENDS = ("xgrammar", "llguidance")
+BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
 def make_backend(
@@ -35,20 +35,34 @@ def make_backend(
     Parameters
     ----------
     name : str
-        ``"xgrammar"`` (default engine choice) or ``"llguidance"``.
+        ``"auto"`` (xgrammar or llguidance per request, :mod:`tpguide.guided.auto_backend`),
+        ``"xgrammar"`` or ``"llguidance"``.
     tokenizer : transformers.PreTrainedTokenizerFast
     padded_vocab_size : int
         Bitmask width in tokens.
     stop_token_ids : list of int
         From :func:`collect_stop_token_ids`.
     **kwargs
-        Backend options (``any_whitespace``, ``cache_size``, ...).
+        Backend options (``json_whitespace``, ``cache_size``, ...).
 
     Raises
     ------
     ValueError
         Unknown ``name`` (the message lists :data:`BACKENDS`).
     """
+    if name == "auto":
+        from tpguide.guided.auto_backend import AUTO_ORDER, AutoBackend
+
+        backends, unavailable = {}, {}
+        for each in AUTO_ORDER:
+            options = {k: v for k, v in kwargs.items() if each == "xgrammar" or k != "max_threads"}
+            try:
+                backends[each] = make_backend(each, tokenizer, padded_vocab_size, stop_token_ids, **options)
+            except ValueError as exc:  # e.g. llguidance cannot read the tokenizer: auto goes on without it
+                unavailable[each] = str(exc)
+        if not backends:
+            raise ValueError(f"no guided backend can use this tokenizer: {unavailable}")
+        return AutoBackend(backends, unavailable=unavailable)
     if name == "xgrammar":
         from tpguide.guided.xgrammar_backend import XGrammarBackend
 

@@ -23,6 +23,15 @@ backend; the differences:
   the state on rejection, as xgrammar does.
 * A stop token consumed after the grammar has stopped is not recorded by
   llguidance; the adapter keeps its own history so ``rollback`` counts it.
+* A SentencePiece-style tokenizer (metaspace ``\u2581`` for a space, byte
+  fallback) encodes the *text* ``\u2581`` as its metaspace token, which
+  stands for a space.  llguidance tokenizes the literal strings a grammar
+  forces with the tokenizer itself, so for a grammar with a literal ``\u2581``
+  its mask allows e.g. ``\u2581dog`` (bytes ``" dog"``), which its own matcher
+  then rejects: the request would error.  xgrammar gets it right (it allows
+  the byte-fallback token ``<0xE2>``).  So on such a tokenizer a guide that
+  spells U+2581 (literally, or as an escape) is refused with
+  a message naming xgrammar (``auto`` picks xgrammar for it).
 * The compiled form is the validated grammar string; each matcher re-parses
   it (about a millisecond for small grammars), where xgrammar shares a
   compiled automaton with precomputed token masks.
@@ -39,11 +48,29 @@ import llguidance.torch
 import torch
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.tokenizer_vocab import producible_vocab_size
+from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
 
 
 def _llguidance_message(text: str) -> str:
     """llguidance's error text without its state dump."""
     return text.split("\n<state>")[0].strip()
+
+
+METASPACE = "\u2581"
+_METASPACE_SPELLINGS = (METASPACE, "\\u2581", "\\x{2581}")
+
+
+def rewrites_metaspace(ll_tokenizer: llguidance.LLTokenizer) -> bool:
+    """True if tokenizing the text U+2581 does not give back its UTF-8 bytes (SentencePiece metaspace)."""
+    ids = ll_tokenizer.tokenize_str(METASPACE)
+    return ll_tokenizer.decode_bytes(ids) != METASPACE.encode("utf-8")
+
+
+def mentions_metaspace(guide_text: str) -> bool:
+    """True if ``guide_text`` spells U+2581 literally or as a backslash-u or backslash-x escape."""
+    lowered = guide_text.lower()
+    return any(s in lowered for s in _METASPACE_SPELLINGS)
 
 
 def choice_as_lark(choices: list) -> str:
@@ -121,8 +148,9 @@ class LLGuidanceBackend(GuidedBackend):
     padded_vocab_size : int
         Bitmask width in tokens; must be at least the tokenizer's size.
     stop_token_ids : list of int
-    any_whitespace : bool
-        JSON may contain any whitespace (llguidance's ``whitespace_flexible``).
+    json_whitespace : {"compact", "bounded", "any"}
+        Default whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`);
+        a request's ``json_whitespace`` overrides it.
     cache_size : int
 
     Raises
@@ -142,28 +170,32 @@ class LLGuidanceBackend(GuidedBackend):
         padded_vocab_size: int,
         stop_token_ids: list,
         *,
-        any_whitespace: bool = True,
+        json_whitespace: str = DEFAULT_JSON_WHITESPACE,
         cache_size: int = 128,
     ) -> None:
         super().__init__(padded_vocab_size, stop_token_ids, cache_size)
-        if padded_vocab_size < len(tokenizer):
+        if padded_vocab_size < producible_vocab_size(tokenizer):
             raise ValueError(
-                f"llguidance backend needs padded_vocab_size >= len(tokenizer), got "
-                f"{padded_vocab_size} < {len(tokenizer)}; the xgrammar backend supports this"
+                f"llguidance backend needs padded_vocab_size >= the tokenizer's ids, got "
+                f"{padded_vocab_size} < {producible_vocab_size(tokenizer)}; the xgrammar backend supports this"
             )
-        self.any_whitespace = any_whitespace
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
-        )
+        self.json_whitespace = check_whitespace_mode(json_whitespace)
+        try:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=padded_vocab_size, eos_token=self.stop_token_ids
+            )
+        except Exception as exc:  # llguidance raises ValueError/RuntimeError on tokenizers it cannot read
+            raise ValueError(
+                f"llguidance cannot use this tokenizer ({type(exc).__name__}: {exc}; {len(tokenizer)} tokens, "
+                f"ids up to {producible_vocab_size(tokenizer) - 1}); the xgrammar backend supports it"
+            ) from exc
+        #: The tokenizer turns the text U+2581 into its metaspace (see the module docstring).
+        self.rewrites_metaspace = rewrites_metaspace(self.ll_tokenizer)
 
-    def _json_grammar(self, schema_text: str) -> str:
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema_text, defaults={"whitespace_flexible": self.any_whitespace}
-        )
-
-    def _serialize(self, guide_type: str, guide_text: str) -> str:
+    def _serialize(self, guide_type: str, guide_text: str, json_whitespace: str) -> str:
         if guide_type in ("json_schema", "json"):
-            return self._json_grammar(guide_text)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                guide_text, defaults=llguidance_json_options(json_whitespace or self.json_whitespace))
         if guide_type == "regex":
             return llguidance.LLMatcher.grammar_from_regex(guide_text)
         if guide_type == "choice":
@@ -191,9 +223,14 @@ class LLGuidanceBackend(GuidedBackend):
             raise ValueError("structural_tag has no structures")
         return llguidance.StructTag.to_grammar(tags)
 
-    def _compile(self, guide_type: str, guide_text: str) -> str:
+    def _compile(self, guide_type: str, guide_text: str, json_whitespace: str = "") -> str:
+        if self.rewrites_metaspace and mentions_metaspace(guide_text):
+            raise ValueError(
+                f"llguidance cannot compile this {guide_type}: it contains U+2581 ('\u2581'), which this "
+                "SentencePiece-style tokenizer encodes as its metaspace (a space), so llguidance's mask would "
+                "allow tokens its matcher rejects; use the xgrammar backend (--guided-backend auto picks it)")
         try:
-            grammar = self._serialize(guide_type, guide_text)
+            grammar = self._serialize(guide_type, guide_text, json_whitespace)
         except ValueError as exc:
             raise ValueError(f"llguidance cannot compile this {guide_type}: {exc}") from exc
         except (KeyError, TypeError, AssertionError) as exc:

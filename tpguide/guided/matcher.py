@@ -25,6 +25,7 @@ import torch
 
 from tpguide.guided.bitmask import token_ids_to_bitmask_row
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE
 
 
 class GrammarMatcher(abc.ABC):
@@ -93,6 +94,8 @@ class GuidedBackend(abc.ABC):
 
     name: str = ""
     supported_guide_types: frozenset = frozenset()
+    #: Default whitespace mode of JSON guides (:mod:`tpguide.guided.whitespace`).
+    json_whitespace: str = DEFAULT_JSON_WHITESPACE
 
     def __init__(self, padded_vocab_size: int, stop_token_ids: list, cache_size: int = 128) -> None:
         if padded_vocab_size < 1:
@@ -133,7 +136,11 @@ class GuidedBackend(abc.ABC):
                 f"guide type {params.guide_type!r} is not supported by the {self.name} backend "
                 f"(supported: {sorted(self.supported_guide_types)})"
             )
-        compiled = self._compile(params.guide_type, params.guide_text)
+        if params.guide_type in ("json_schema", "json"):
+            compiled = self._compile(params.guide_type, params.guide_text,
+                                     json_whitespace=params.json_whitespace or self.json_whitespace)
+        else:
+            compiled = self._compile(params.guide_type, params.guide_text)
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
@@ -147,8 +154,12 @@ class GuidedBackend(abc.ABC):
             return (self.name,) + params.cache_key in self._cache
 
     @abc.abstractmethod
-    def _compile(self, guide_type: str, guide_text: str) -> Any:
-        """Compile one guide; raise ValueError with the backend's message on bad input."""
+    def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:
+        """Compile one guide; raise ValueError with the backend's message on bad input.
+
+        JSON guides get ``json_whitespace=`` (one of
+        :data:`~tpguide.guided.whitespace.WHITESPACE_MODES`), other guides no option.
+        """
 
     @abc.abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:

@@ -11,6 +11,15 @@ per request.  The request line carries them as::
                          {"structural_tag": {...}}        guide_type "structural_tag"
                          null                             unguided
 
+Two options may sit beside the guide key (docs/architecture.md §5, fail closed)::
+
+    "strict": false            best effort: run even what cannot be guaranteed (a keyword
+                               the backend does not enforce, an unsatisfiable schema, an
+                               empty first mask); the output is still validated and a
+                               failing one finishes "error" (OpenAI's ``strict: false``)
+    "json_whitespace": "any"   per-request override of ``--json-whitespace``
+                               (``compact``, ``bounded`` or ``any``; JSON guides only)
+
 Keys whose value is ``null`` count as unset, and ``"json_object": false`` too.
 Every validation error is a :class:`ValueError` naming the offending value, so
 the engine can fail just that request with a readable reason.
@@ -23,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from tpguide.guided.schema_check import check_schema_has_finite_instance
+from tpguide.guided.whitespace import check_whitespace_mode
 
 #: Keys accepted in the ``"structured_output"`` object of a request line.
 GUIDE_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -31,6 +41,9 @@ GUIDE_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_t
 GUIDE_TYPES = ("json_schema", "regex", "choice", "grammar", "json", "structural_tag")
 
 _GUIDE_TYPE_OF_KEY = dict(zip(GUIDE_KEYS, GUIDE_TYPES))
+
+#: Options accepted beside the guide key.
+OPTION_KEYS = ("strict", "json_whitespace")
 
 #: The JSON schema that ``json_object`` stands for (vLLM's semantics: any JSON object).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -78,12 +91,19 @@ class StructuredOutputsParams:
         ``True``: any JSON object (``guide_type == "json"``).
     structural_tag : dict or str, optional
         A structural tag (xgrammar's format; see the backends for what each supports).
+    strict : bool
+        True (default): refuse what cannot be guaranteed (a schema with no
+        instance here; unenforced keywords and empty first masks at
+        admission).  False: best effort, the output is validated only.
+    json_whitespace : {None, "compact", "bounded", "any"}
+        Whitespace between JSON tokens; None = the engine's ``--json-whitespace``.
 
     Raises
     ------
     ValueError
         No guide or several guides set, a wrong type, an empty choice list or
-        string, JSON text that does not parse to an object.
+        string, JSON text that does not parse to an object, a schema with no
+        instance (strict only), a bad option value.
 
     Notes
     -----
@@ -97,6 +117,8 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     structural_tag: Optional[Union[dict, str]] = None
+    strict: bool = True
+    json_whitespace: Optional[str] = None
     _text: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
@@ -106,7 +128,13 @@ class StructuredOutputsParams:
         if len(set_keys) > 1:
             shown = ", ".join(f"{k}={_short(getattr(self, k), 40)}" for k in set_keys)
             raise ValueError(f"exactly one guide may be set, got {len(set_keys)}: {shown}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be true or false, got {_short(self.strict)}")
+        if self.json_whitespace is not None:
+            check_whitespace_mode(self.json_whitespace)
         object.__setattr__(self, "_text", self._validate(set_keys[0]))
+        if self.json_whitespace is not None and set_keys[0] not in ("json", "json_object"):
+            raise ValueError(f"json_whitespace applies to JSON guides only, got it with {set_keys[0]!r}")
 
     def _is_set(self, key: str) -> bool:
         value = getattr(self, key)
@@ -117,7 +145,8 @@ class StructuredOutputsParams:
         value = getattr(self, key)
         if key == "json":
             text = _json_object_text("json", value)
-            check_schema_has_finite_instance(_json.loads(text))
+            if self.strict:
+                check_schema_has_finite_instance(_json.loads(text))
             return text
         if key == "structural_tag":
             return _json_object_text("structural_tag", value)
@@ -174,9 +203,15 @@ class StructuredOutputsParams:
         return self._text
 
     @property
-    def cache_key(self) -> tuple[str, str]:
-        """Hashable ``(guide_type, guide_text)``; backends prepend their name."""
-        return (self.guide_type, self._text)
+    def cache_key(self) -> tuple:
+        """Hashable ``(guide_type, guide_text[, json_whitespace])``; backends prepend their name.
+
+        ``json_whitespace`` is part of the key only when set (it changes the
+        compiled grammar); ``strict`` never is (it changes admission only).
+        """
+        if self.json_whitespace is None:
+            return (self.guide_type, self._text)
+        return (self.guide_type, self._text, self.json_whitespace)
 
     @classmethod
     def from_request(cls, obj: Optional[dict]) -> Optional["StructuredOutputsParams"]:
@@ -203,9 +238,11 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_output must be an object or null, got {type(obj).__name__}: {_short(obj)}"
             )
-        unknown = sorted(set(obj) - set(GUIDE_KEYS), key=str)
+        unknown = sorted(set(obj) - set(GUIDE_KEYS) - set(OPTION_KEYS), key=str)
         if unknown:
             raise ValueError(
-                f"unknown structured_output keys {unknown}; allowed keys are {list(GUIDE_KEYS)}"
+                f"unknown structured_output keys {unknown}; allowed keys are {list(GUIDE_KEYS)} "
+                f"and the options {list(OPTION_KEYS)}"
             )
-        return cls(**obj)
+        options = {k: obj[k] for k in OPTION_KEYS if obj.get(k) is not None}
+        return cls(**{k: v for k, v in obj.items() if k in GUIDE_KEYS}, **options)

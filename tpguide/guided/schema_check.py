@@ -14,22 +14,136 @@ finite derivation exists, and a shortest derivation never visits the same
 unproductive there.  Only what certainly forces a sub-value counts (required
 properties, ``minItems``, ``prefixItems``, ``allOf``, ``$ref``); anything
 unknown is assumed productive, so the check never rejects a schema that has
-an instance.  Contradictions *inside* one value (``minimum > maximum``,
-``minLength > maxLength``) are the backends' job; both reject them.
+an instance.
+
+Contradictions inside one forced value count as unproductive too, each
+reported with its JSON pointer into the schema (:func:`local_contradiction`):
+an empty ``anyOf``/``oneOf``/``enum``/``type``, a ``required`` property that
+``additionalProperties: false`` forbids, an ``allOf`` (or ``type`` beside
+``const``/``enum``) whose types have no value in common, ``not: {}``, and
+lower bounds above upper bounds.  xgrammar compiles such schemas and then
+produces invalid text (``""`` for ``{"anyOf": []}``), so they are refused
+before any backend sees them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, FrozenSet, List, Optional
 
 #: Work limit (schema nodes visited); beyond it the schema is assumed fine.
 MAX_VISITS = 20_000
 
 
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
+
+_BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+           ("minProperties", "maxProperties"))
+
+
+def _types_of(schema: Dict[str, Any]) -> Optional[set]:
+    """The JSON types ``schema`` allows by its ``type``/``const``/``enum`` (None: unrestricted)."""
+    types = schema.get("type")
+    allowed = None
+    if isinstance(types, str):
+        allowed = {types}
+    elif isinstance(types, list):
+        allowed = {t for t in types if isinstance(t, str)}
+    if "integer" in (allowed or ()):
+        allowed = allowed | {"integer"}
+    if "const" in schema:
+        allowed = _narrow(allowed, {_type_of_value(schema["const"])})
+    if isinstance(schema.get("enum"), list):
+        allowed = _narrow(allowed, {_type_of_value(v) for v in schema["enum"]})
+    return allowed
+
+
+def _type_of_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
+
+
+def _narrow(allowed: Optional[set], values: set) -> set:
+    """Types in ``allowed`` (None: all) that one of the value types ``values`` has."""
+    if allowed is None:
+        return set(values)
+    out = {t for t in values if t in allowed or (t == "integer" and "number" in allowed)}
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def local_contradiction(schema: Any) -> Optional[str]:
+    """Why no value satisfies the dict ``schema`` by its own keywords, or None (subschemas unvisited).
+
+    Conservative: None whenever in doubt, so a schema with an instance is never reported.
+    """
+    if not isinstance(schema, dict):
+        return None
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        if schema.get(key) == []:
+            return f"{key} is an empty list: no value satisfies it"
+    if schema.get("not") in ({}, True):
+        return "not {} matches no value"
+    for low, high in _BOUNDS:
+        if _number(schema.get(low)) and _number(schema.get(high)) and schema[low] > schema[high]:
+            return f"{low}={schema[low]} > {high}={schema[high]}"
+    types = _types_of(schema)
+    if types is not None and not types:
+        return f"type {schema.get('type')!r} admits none of the const/enum values"
+    if isinstance(schema.get("allOf"), list):
+        allowed = types
+        for member in schema["allOf"]:
+            member_types = _types_of(member) if isinstance(member, dict) else None
+            if member_types is not None:
+                allowed = member_types if allowed is None else _intersect(allowed, member_types)
+        if allowed is not None and not allowed:
+            shown = [m.get("type") for m in schema["allOf"] if isinstance(m, dict) and "type" in m]
+            return f"allOf: the types {shown} (and type {schema.get('type')!r}) have no value in common"
+    return _forbidden_required(schema)
+
+
+def _intersect(a: set, b: set) -> set:
+    out = a & b
+    if "number" in a and "integer" in b or "number" in b and "integer" in a:
+        out.add("integer")
+    return out
+
+
+def _forbidden_required(schema: Dict[str, Any]) -> Optional[str]:
+    if schema.get("additionalProperties") is not False or not isinstance(schema.get("required"), list):
+        return None
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    for name in schema["required"]:
+        if not isinstance(name, str) or name in props:
+            continue
+        try:
+            if any(re.search(p, name) for p in patterns):
+                continue
+        except re.error:
+            return None
+        return (f"required property {name!r} is forbidden: additionalProperties is false and "
+                f"neither properties nor patternProperties allow it")
+    return None
+
+
+def _child(pointer: str, *parts: Any) -> str:
+    return pointer + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
 class _Search:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.visits = 0
+        self.contradictions: List[str] = []  # "pointer: why" of forced values no value satisfies
         self.cycles: List[str] = []  # "$ref" chains that closed a cycle
         self.proven: set = set()  # refs known productive (independent of the path)
 
@@ -48,14 +162,19 @@ class _Search:
                 return None
         return node
 
-    def productive(self, schema: Any, path: FrozenSet[str], chain: tuple) -> bool:
+    def productive(self, schema: Any, path: FrozenSet[str], chain: tuple, pointer: str = "") -> bool:
         self.visits += 1
         if self.visits > MAX_VISITS:
             return True
         if schema is False:
+            self.contradictions.append(f"{pointer or '/'}: the schema false")
             return False
         if not isinstance(schema, dict):
             return True
+        why = local_contradiction(schema)
+        if why is not None:
+            self.contradictions.append(f"{pointer or '/'}: {why}")
+            return False
         if "$ref" in schema and isinstance(schema["$ref"], str):
             ref = schema["$ref"]
             if ref in path:
@@ -63,39 +182,40 @@ class _Search:
                 return False
             if ref not in self.proven:
                 target = self.resolve(ref)
-                if target is not None and not self.productive(target, path | {ref}, chain + (ref,)):
+                if target is not None and not self.productive(target, path | {ref}, chain + (ref,), ref[1:]):
                     return False
                 self.proven.add(ref)
         if "const" in schema or "enum" in schema:
             return True  # a literal (backends check it against the rest)
-        for key in ("allOf",):
-            if isinstance(schema.get(key), list) and not all(
-                    self.productive(s, path, chain) for s in schema[key]):
-                return False
+        if isinstance(schema.get("allOf"), list) and not all(
+                self.productive(s, path, chain, _child(pointer, "allOf", i)) for i, s in enumerate(schema["allOf"])):
+            return False
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list) and schema[key] and not any(
-                    self.productive(s, path, chain) for s in schema[key]):
+                    [self.productive(s, path, chain, _child(pointer, key, i)) for i, s in enumerate(schema[key])]):
                 return False
         types = schema.get("type")
         types = [types] if isinstance(types, str) else types
         if not isinstance(types, list) or not types:
             types = ["object"] if "properties" in schema else (["array"] if "items" in schema else [None])
-        return any(self._productive_type(t, schema, path, chain) for t in types)
+        return any([self._productive_type(t, schema, path, chain, pointer) for t in types])
 
-    def _productive_type(self, type_: Any, schema: Dict[str, Any], path: FrozenSet[str], chain: tuple) -> bool:
+    def _productive_type(self, type_: Any, schema: Dict[str, Any], path: FrozenSet[str], chain: tuple,
+                         pointer: str) -> bool:
         if type_ == "object":
             props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
             required = schema.get("required") if isinstance(schema.get("required"), list) else []
-            return all(self.productive(props[name], path, chain)
+            return all(self.productive(props[name], path, chain, _child(pointer, "properties", name))
                        for name in required if isinstance(name, str) and name in props)
         if type_ == "array":
             prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
             min_items = schema.get("minItems", 0)
             min_items = min_items if isinstance(min_items, int) and not isinstance(min_items, bool) else 0
-            if not all(self.productive(s, path, chain) for s in prefix[:min_items]):
+            if not all(self.productive(s, path, chain, _child(pointer, "prefixItems", i))
+                       for i, s in enumerate(prefix[:min_items])):
                 return False
             if min_items > len(prefix) and "items" in schema:
-                return self.productive(schema["items"], path, chain)
+                return self.productive(schema["items"], path, chain, _child(pointer, "items"))
             return True
         return True
 
@@ -112,12 +232,16 @@ def check_schema_has_finite_instance(schema: Any) -> None:
     ------
     ValueError
         The root is unproductive: a ``$ref`` cycle with no base case (the
-        message shows the chain, e.g. ``#/$defs/a -> #/$defs/a``), or ``false``.
+        message shows the chain, e.g. ``#/$defs/a -> #/$defs/a``), ``false``,
+        or a contradiction (the message gives its JSON pointer into the
+        schema and the reason, e.g. ``/anyOf: anyOf is an empty list``).
     """
     search = _Search(schema)
     if search.productive(schema, frozenset({"#"}), ("#",)):
         return
+    parts = []
     if search.cycles:
-        shown = "; ".join(dict.fromkeys(search.cycles))
-        raise ValueError(f"json schema has no finite instance: $ref cycle with no base case ({shown})")
-    raise ValueError("json schema has no finite instance (a required part is the schema false)")
+        parts.append(f"$ref cycle with no base case ({'; '.join(dict.fromkeys(search.cycles))})")
+    if search.contradictions:
+        parts.append(f"unsatisfiable at {'; '.join(dict.fromkeys(search.contradictions))}")
+    raise ValueError(f"json schema has no finite instance: {'; '.join(parts)}")

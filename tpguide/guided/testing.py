@@ -179,3 +179,41 @@ def json_prefix_bitmask(tokenizer: Any, padded_vocab_size: int, schema: dict, pr
     bitmask, token_mask, dead = decoder.fill_bitmask(list(range(len(prefixes))))
     assert not dead and token_mask.tolist() == [1] * len(prefixes)
     return bitmask.clone()
+
+
+def write_id_gap_tokenizer(out_dir: str) -> Any:
+    """Save and return a character tokenizer ``a``..``j`` (ids 0-9) whose EOS ``</s>`` is id 15.
+
+    ``len(tokenizer) == 11`` while the largest id is 15: the id gap of issue 12.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate("abcdefghij")}
+    vocab["</s>"] = 15
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def metaspace_tokenizer() -> Any:
+    """A SentencePiece-style BPE tokenizer: metaspace ``\\u2581`` for spaces, byte fallback, EOS ``</s>`` = 2.
+
+    Tokens: ``<unk> <s> </s>``, the 256 byte tokens ``<0x00>``..``<0xFF>``, then
+    ``\\u2581 d o g \\u2581dog dog \\u2581d x \\u2581x og`` (ids 259-269, ``\\u2581dog`` = 263).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += ["\u2581", "d", "o", "g", "\u2581dog", "dog", "\u2581d", "x", "\u2581x", "og"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [("\u2581", "d"), ("o", "g"), ("\u2581d", "og"), ("d", "og")]
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", bos_token="<s>", unk_token="<unk>")

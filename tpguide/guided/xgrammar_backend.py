@@ -34,6 +34,7 @@ import torch
 import xgrammar as xgr
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, xgrammar_json_options
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -136,8 +137,9 @@ class XGrammarBackend(GuidedBackend):
     padded_vocab_size : int
         Bitmask width in tokens.
     stop_token_ids : list of int
-    any_whitespace : bool
-        JSON may contain any whitespace between tokens (vLLM's default).
+    json_whitespace : {"compact", "bounded", "any"}
+        Default whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`);
+        a request's ``json_whitespace`` overrides it.
     max_threads : int
         Compiler threads.
     cache_size : int
@@ -155,23 +157,23 @@ class XGrammarBackend(GuidedBackend):
         padded_vocab_size: int,
         stop_token_ids: list,
         *,
-        any_whitespace: bool = True,
+        json_whitespace: str = DEFAULT_JSON_WHITESPACE,
         max_threads: int = 8,
         cache_size: int = 128,
     ) -> None:
         super().__init__(padded_vocab_size, stop_token_ids, cache_size)
-        self.any_whitespace = any_whitespace
+        self.json_whitespace = check_whitespace_mode(json_whitespace)
         self.tokenizer_info = make_tokenizer_info(tokenizer, padded_vocab_size, self.stop_token_ids)
         # Our LRU caches compiled grammars; xgrammar's own cache would duplicate it.
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads, cache_enabled=False
         )
 
-    def _compile(self, guide_type: str, guide_text: str) -> xgr.CompiledGrammar:
+    def _compile(self, guide_type: str, guide_text: str, json_whitespace: str = "") -> xgr.CompiledGrammar:
         try:
             if guide_type in ("json_schema", "json"):
                 return self.compiler.compile_json_schema(
-                    guide_text, any_whitespace=self.any_whitespace
+                    guide_text, **xgrammar_json_options(json_whitespace or self.json_whitespace)
                 )
             if guide_type == "regex":
                 return self.compiler.compile_regex(guide_text)

@@ -17,9 +17,11 @@ def make_precompile(engine, metrics: ServerMetrics):
     The compile cache is shared with the engine and locked, so the engine
     loop finds the grammar compiled when the request joins the batch and
     the other requests keep stepping meanwhile.  Records compile time and
-    cache hits.  Raises ValueError with the backend's message on a bad guide.
+    cache hits.  Raises ValueError with the reason on a refused or bad guide
+    (:func:`tpguide.guided.admission.admit`).
     """
     from tpguide.guided import StructuredOutputsParams
+    from tpguide.guided.admission import admit
 
     backend = engine.driver.guided_decoder().backend  # built now (before any request), not raced later
 
@@ -27,13 +29,14 @@ def make_precompile(engine, metrics: ServerMetrics):
         params = StructuredOutputsParams.from_request(line.get("structured_output"))
         if params is None:
             return
-        if backend.is_cached(params):
-            metrics.grammar_cache_hits.inc()
-            return
+        hit = backend.is_cached(params)
         start = time.perf_counter()
-        backend.compile(params)
-        metrics.grammar_compile.observe(time.perf_counter() - start)
-        metrics.grammar_cache_misses.inc()
+        admit(backend, params)  # the fail-closed checks and the compile: a refusal is a 400 with its reason
+        if hit:
+            metrics.grammar_cache_hits.inc()
+        else:
+            metrics.grammar_compile.observe(time.perf_counter() - start)
+            metrics.grammar_cache_misses.inc()
 
     return precompile
 
