@@ -1,8 +1,10 @@
 """Benchmark the server against the offline path on the same guided requests, in one run.
 
-(a) ``launch/generate.py`` (offline, the same tp size and engine flags) on
-    the request lines: generated tokens per second of generation wall time,
-    as generate.py reports it (startup excluded);
+(a) the offline path of ``launch/generate.py`` (``Engine.generate`` on the
+    request lines, the same tp size and engine flags, ranks spawned with
+    gloo): generated tokens per second of generation wall time, after a
+    warm-up batch of the same guide kinds, as the server gets (so neither
+    side pays for building the grammar backend or compiling the guides);
 (b) ``launch/serve.py`` as a subprocess on a free loopback port, driven by
     ``--clients`` concurrent asyncio streaming clients (httpx, SSE) that
     share the same requests: requests/s, output tok/s, time to first token
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import jsonschema  # noqa: E402
 
-from tpguide.serving.testing import ServerProcess, run_generate  # noqa: E402
+from tpguide.serving.testing import ServerProcess  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -91,13 +93,35 @@ def engine_flags(args) -> List[str]:
     return flags + (["--model", args.model] if args.model else [])
 
 
+def offline_on_group(group, model_dir, lines, warm, max_num_seqs, max_tokens):
+    """Module-level (spawnable): warm-up batch, then the timed batch; every rank returns the driver's result."""
+    from tpguide.dist import collectives as C
+    from tpguide.engine import EngineConfig, build_engine
+    from tpguide.engine.request_io import parse_request_lines
+
+    engine = build_engine(group, model_dir, EngineConfig(max_num_seqs=max_num_seqs))
+    result = None
+    if group.is_driver:
+        engine.generate(parse_request_lines([json.dumps(x) for x in warm], max_tokens))
+        start = time.perf_counter()
+        outs = engine.generate(parse_request_lines([json.dumps(x) for x in lines], max_tokens))
+        result = ([o.to_json() for o in outs], time.perf_counter() - start)
+        engine.shutdown()
+    else:
+        engine.run_worker()
+    return C.broadcast_object(result, group)
+
+
 def run_offline(args, lines) -> Dict[str, float]:
-    outs, stdout = run_generate(args.tp, lines, engine_flags(args), timeout_s=args.time_limit)
-    m = re.search(r"(\d+) requests, (\d+) generated tokens in ([0-9.]+) s", stdout)
+    from tpguide.dist.spawn import run_at_tp_size
+
+    warm = [dict(x, id=f"warm-{x['id']}") for x in lines[:4]]
+    outs, wall = run_at_tp_size(offline_on_group, args.tp, args.model, lines, warm, args.max_num_seqs,
+                                args.max_tokens)[0]
+    tokens = sum(len(o["token_ids"]) for o in outs)
     invalid = sum(o["finish_reason"] == "stop" and not is_valid(x, o["text"]) for o, x in zip(outs, lines))
-    wall = float(m.group(3))
-    return {"requests": int(m.group(1)), "tokens": int(m.group(2)), "wall_s": wall,
-            "tok_s": int(m.group(2)) / wall, "req_s": int(m.group(1)) / wall, "invalid": invalid}
+    return {"requests": len(outs), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "req_s": len(outs) / wall, "invalid": invalid}
 
 
 async def client_loop(http: httpx.AsyncClient, queue: "asyncio.Queue", deadline: float, stats: Dict[str, list],
@@ -189,7 +213,7 @@ def main(argv=None) -> int:
           f"warm-up errors {len(warm['errors'])}; the machine may be shared: compare the ratio only")
     print("| path | requests/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | errors | invalid |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| offline generate.py | {offline['req_s']:.2f} | {offline['tok_s']:.1f} | - | - | 0 | "
+    print(f"| offline (generate.py's Engine.generate) | {offline['req_s']:.2f} | {offline['tok_s']:.1f} | - | - | 0 | "
           f"{offline['invalid']} |")
     print(f"| server, {args.clients} clients | {done / wall:.2f} | {tokens / wall:.1f} | "
           f"{pct(stats['ttft'], 50) * ms:.0f} / {pct(stats['ttft'], 99) * ms:.0f} | "
