@@ -257,7 +257,11 @@ def test_disconnect_mid_stream_aborts(server):
             chunks += line.startswith("data: ")
             if chunks >= 3:
                 break
-        assert chunks == 3 and metric(server, "tpguide:num_requests_running") == 1
+        assert chunks == 3
+        deadline = time.monotonic() + 10  # the gauge is set by the engine-loop thread
+        while metric(server, "tpguide:num_requests_running") != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(server, "tpguide:num_requests_running") == 1
     deadline = time.monotonic() + 60
     while metric(server, "tpguide:num_requests_running") != 0 and time.monotonic() < deadline:
         time.sleep(0.2)

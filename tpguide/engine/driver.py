@@ -124,6 +124,12 @@ class Driver:
             self._compiles.submit(req.index, functools.partial(admit, self.guided_decoder().backend, params))
         return submit
 
+    def wait_for_admissions(self) -> None:
+        """Block until every added request's guide is admitted or refused (offline start: deterministic batches)."""
+        while self._arrivals:
+            self._compiles.wait()
+            self._admit_arrivals()
+
     def _admit_arrivals(self, wait_s: float = 0.0) -> None:
         """Move the admitted prefix of the arrivals into the scheduler; refused guides fail their request.
 

@@ -171,6 +171,9 @@ class Engine:
             with self._between_steps():
                 for req in requests:
                     self.add_request(req)
+                # every guide admitted before the first step: the same batches in every run,
+                # however long each compile takes (later arrivals join between steps)
+                self._require_driver().wait_for_admissions()
             while self.has_unfinished_requests():
                 outputs = self.step()  # reports its own failures to the other ranks
                 with self._between_steps():
