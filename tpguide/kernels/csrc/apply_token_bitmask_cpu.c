@@ -1,5 +1,5 @@
 /*
- * CPU kernel of tpguide.kernels.apply_token_bitmask_inplace (DESIGN.md §2, §3, §8).
+ * CPU kernel of tpguide.kernels.apply_token_bitmask_inplace (docs/architecture.md §2, §3, §8).
  *
  * Plain C99, no Python or torch headers: compiled on first use by
  * tpguide/kernels/apply_token_bitmask_cpu.py and called through ctypes, which
