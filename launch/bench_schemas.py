@@ -46,8 +46,12 @@ def run_generate(requests: str, out: str, backend: str, whitespace: str, model: 
 def _reason(error: str) -> str:
     """A refusal message without request-specific details, for grouping."""
     text = re.sub(r"\(at [^)]*\)", "", error)
-    text = re.sub(r"'[^']*'", "'…'", text) if "format" not in text else text
-    return text[:110]
+    text = re.sub(r"'[^']*'", lambda m: m.group(0) if re.fullmatch(r"'[A-Za-z$][\w$ ()-]{0,40}'", m.group(0))
+                  else "'…'", text)  # keeps keyword names
+    text = re.sub(r"\s+", " ", text)
+    clauses = list(dict.fromkeys(c.strip() for c in text.split(";")))  # each distinct cause once
+    text = " ; ".join(clauses)
+    return text[:160]
 
 
 def summarise(requests: list, outputs: list) -> dict:
@@ -98,12 +102,19 @@ def admission_only(requests: list, backends: list) -> int:
     size = -(-len(tokenizer) // 64) * 64
     for name in backends:
         backend, counts = make_backend(name, tokenizer, size, stops), collections.Counter()
+        reasons = collections.Counter()
         for i, r in enumerate(requests):
+            req = request_from_dict(r, i, 64)
             try:
-                counts["admitted on " + admit(backend, request_from_dict(r, i, 64).structured_output)[0]] += 1
-            except ValueError:
+                if req.is_finished:  # refused while parsing the request (e.g. an invalid schema)
+                    raise ValueError(req.error)
+                counts["admitted on " + admit(backend, req.structured_output)[0]] += 1
+            except ValueError as exc:
                 counts["refused"] += 1
+                reasons[_reason(str(exc))] += 1
         print(f"{name}: {dict(sorted(counts.items()))} of {len(requests)}")
+        for reason, n in reasons.most_common():
+            print(f"  {n:3d}  {reason}")
     return 0
 
 

@@ -29,6 +29,8 @@ EMPTY_FIRST_MASK = {"left-recursion": {"grammar": 'root ::= root "x"'}, "empty-c
 #: xgrammar ignores uniqueItems, and this schema has only one other instance: the output is always [1,1].
 FORCED_INVALID = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
 GOOD = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+#: A oneOf whose branches no instance satisfies together: enforced by both backends, so admitted.
+DISJOINT_ONE_OF = next(c.schema for c in KEYWORD_CASES if c.key == "oneOf (disjoint branches)")
 XGRAMMAR_UNENFORCED = [c for c in KEYWORD_CASES if MEASURED["xgrammar"][c.key] == NOT_ENFORCED]
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=96)
 
@@ -39,7 +41,8 @@ def _request(rid, guide, **options):
 
 
 def _requests():
-    out = [_request("good", {"json": GOOD}, json_whitespace="compact")]
+    out = [_request("good", {"json": GOOD}, json_whitespace="compact"),
+           _request("disjoint-one-of", {"json": DISJOINT_ONE_OF}, json_whitespace="compact")]
     for case in XGRAMMAR_UNENFORCED:
         out.append(_request(f"strict:{case.key}", {"json": case.schema}))
         out.append(_request(f"best:{case.key}", {"json": case.schema}, strict=False, json_whitespace="compact"))
@@ -81,6 +84,13 @@ def test_good_request_runs_and_validates(runs, backend):
     assert out["guided_backend"] == ("xgrammar" if backend == "auto" else backend)
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "auto"])
+def test_disjoint_one_of_runs_and_a_stop_output_validates(runs, backend):
+    out = runs[backend]["disjoint-one-of"]
+    assert out["finish_reason"] in ("stop", "length") and out["error"] is None, out
+    _stop_outputs_validate({"disjoint-one-of": out}, {"disjoint-one-of": DISJOINT_ONE_OF})
+
+
 @pytest.mark.parametrize("case", XGRAMMAR_UNENFORCED, ids=lambda c: c.key)
 def test_unenforced_keyword_is_refused_on_xgrammar_with_keyword_and_pointer(runs, case):
     out = runs["xgrammar"][f"strict:{case.key}"]
@@ -114,7 +124,9 @@ def test_best_effort_runs_and_a_stop_output_always_validates(runs, backend):
 def test_llguidance_refuses_what_it_does_not_implement(runs):
     for case in XGRAMMAR_UNENFORCED:
         out = runs["llguidance"][f"strict:{case.key}"]
-        if MEASURED["llguidance"][case.key] != ENFORCED:
+        if MEASURED["llguidance"][case.key] == NOT_ENFORCED:  # compiles, refused by admission
+            assert _refused(out) and f"{case.key!r} is not enforced by llguidance" in out["error"], out
+        elif MEASURED["llguidance"][case.key] != ENFORCED:
             assert _refused(out) and "llguidance cannot compile" in out["error"], out
 
 

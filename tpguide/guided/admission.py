@@ -82,7 +82,7 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
     unenforced = unenforced_keys(backend_name)
     found = []
     for pointer, keyword, value, node in schema_keywords(schema):
-        key = keyword_key(keyword, value, node)
+        key = keyword_key(keyword, value, node, schema)
         if key in unenforced:
             found.append((pointer, f"{key!r} is not enforced by {backend_name}"))
         elif keyword == "format" and value not in FORMAT_EXAMPLES:

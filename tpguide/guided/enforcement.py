@@ -130,7 +130,7 @@ _EXCEPTIONS: Dict[str, Dict[str, str]] = {
         "propertyNames": REFUSED,
         "unevaluatedProperties": REFUSED,
         "unevaluatedItems": REFUSED,
-        "oneOf": REFUSED,
+        "oneOf": NOT_ENFORCED,  # compiled as anyOf (coerce_one_of); disjoint branches are enforced
         "not": REFUSED,
         "if/then/else": REFUSED,
         "dependencies (array)": REFUSED,

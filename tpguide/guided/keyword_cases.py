@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tpguide.guided.disjoint import one_of_branches_disjoint
+
 #: A look-ahead or look-behind group in a regex (``(?=``, ``(?!``, ``(?<=``, ``(?<!``).
 LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
@@ -122,6 +124,11 @@ _CASES_2020 = [
     KeywordCase("allOf", "2020-12", {"type": "integer", "allOf": [{"minimum": 1}, {"maximum": 5}]}, 3, 7),
     KeywordCase("anyOf", "2020-12", {"anyOf": [_INT, {"type": "boolean"}]}, True, "x"),
     KeywordCase("oneOf", "2020-12", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1.5, 2),
+    KeywordCase("oneOf (disjoint branches)", "2020-12",
+                {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                           {"type": "object", "properties": {"kind": {"const": "b"}, "n": _INT},
+                            "required": ["kind", "n"]}]},
+                {"kind": "b", "n": 1}, {"kind": "c"}),
     KeywordCase("not", "2020-12", {"type": "integer", "not": {"const": 3}}, 4, 3),
     KeywordCase("if/then/else", "2020-12",
                 {"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}, "else": {"maximum": 5}},
@@ -186,7 +193,7 @@ _CASES_FORMAT = [
 KEYWORD_CASES: tuple = tuple(_CASES_2020 + _CASES_DRAFT07 + _CASES_DRAFT04 + _CASES_FORMAT)
 
 
-def keyword_key(keyword: str, value: Any, schema: dict) -> str:
+def keyword_key(keyword: str, value: Any, schema: dict, root: Any = None) -> str:
     """The :data:`KEYWORD_CASES` key of ``keyword`` with ``value`` in the (sub)schema ``schema``.
 
     Distinguishes the spellings and forms the backends treat differently:
@@ -194,8 +201,10 @@ def keyword_key(keyword: str, value: Any, schema: dict) -> str:
     ``exclusiveMinimum``, array vs schema ``dependencies``, each ``format``,
     numeric bounds and ``multipleOf`` on ``number`` vs ``integer``, length
     bounds beside a ``pattern`` or ``format``, a ``pattern`` with look-around, schema vs boolean
-    ``additionalProperties``.  Other keywords map to themselves; ``then`` and
-    ``else`` map to ``"if/then/else"``.
+    ``additionalProperties``, a ``oneOf`` whose branches no instance can
+    satisfy together (:mod:`tpguide.guided.disjoint`; ``root``, the whole
+    schema, resolves their ``$ref``).  Other keywords map to themselves;
+    ``then`` and ``else`` map to ``"if/then/else"``.
     """
     if keyword == "format":
         return f"format: {value}"
@@ -220,4 +229,6 @@ def keyword_key(keyword: str, value: Any, schema: dict) -> str:
         return "additionalProperties (schema)"
     if keyword in ("if", "then", "else"):
         return "if/then/else"
+    if keyword == "oneOf" and one_of_branches_disjoint(value, schema if root is None else root):
+        return "oneOf (disjoint branches)"
     return keyword

@@ -52,9 +52,11 @@ def xgrammar_json_options(mode: str) -> Dict[str, Any]:
 def llguidance_json_options(mode: str) -> Dict[str, Any]:
     """llguidance ``JsonCompileOptions`` (the ``defaults`` of ``grammar_from_json_schema``) for ``mode``."""
     check_whitespace_mode(mode)
+    # coerce_one_of: compile oneOf as anyOf, which admission allows only where the branches are
+    # disjoint (tpguide.guided.disjoint); any other oneOf is refused before compilation
     if mode == "compact":
-        return {"whitespace_flexible": False}
+        return {"whitespace_flexible": False, "coerce_one_of": True}
     if mode == "bounded":
-        return {"whitespace_flexible": True,
+        return {"whitespace_flexible": True, "coerce_one_of": True,
                 "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_BOUNDED_WHITESPACE}
-    return {"whitespace_flexible": True}
+    return {"whitespace_flexible": True, "coerce_one_of": True}
