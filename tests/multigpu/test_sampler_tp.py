@@ -6,7 +6,7 @@ import torch
 from tpguide.dist.group import TPGroup
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.sampling.metadata import SamplingMetadata
+from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.worker.group_exchange import sample
 
 ORG_VOCAB = 1001

@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from tpguide.engine.scheduler import ScheduledRequest
-from tpguide.sampling.metadata import SamplingMetadata
 from tpguide.sampling.penalties import build_logit_penalties
+from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
 from tpguide.worker.messages import StepPlan
 

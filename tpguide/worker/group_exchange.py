@@ -14,9 +14,8 @@ from tpguide.dist import collectives
 from tpguide.dist.group import TPGroup
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.sampling.exchange import PerRank
-from tpguide.sampling.metadata import SamplerOutput, SamplingMetadata
 from tpguide.sampling.prompt_logprobs import PromptLogprobs, check_prompt_inputs, prompt_logprobs_with_exchange
-from tpguide.sampling.sampler import check_sampler_inputs, sample_with_exchange
+from tpguide.sampling.sampler import SamplerOutput, SamplingMetadata, check_sampler_inputs, sample_with_exchange
 
 
 class GroupExchange:

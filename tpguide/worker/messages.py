@@ -29,7 +29,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from tpguide.sampling.metadata import SamplingMetadata
+from tpguide.sampling.sampler import SamplingMetadata
 
 
 class DriverAborted(RuntimeError):
