@@ -21,7 +21,7 @@ and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
 to the other ranks as an ABORT message (they raise
-:class:`~tpguide.worker.messages.DriverAborted`) and re-raised; *inside* a
+:class:`~tpguide.worker.runner.DriverAborted`) and re-raised; *inside* a
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
 """
 
@@ -36,8 +36,7 @@ from tpguide.dist import collectives as C
 from tpguide.engine.config import EngineConfig
 from tpguide.engine.driver import Driver
 from tpguide.engine.request import Request, RequestOutput
-from tpguide.worker.messages import Message
-from tpguide.worker.runner import StepRunner
+from tpguide.worker.runner import Message, StepRunner
 
 __all__ = ["Engine", "EngineConfig"]
 

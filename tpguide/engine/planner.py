@@ -20,7 +20,7 @@ from tpguide.engine.scheduler import ScheduledRequest
 from tpguide.sampling.penalties import build_logit_penalties
 from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
-from tpguide.worker.messages import StepPlan
+from tpguide.worker.runner import StepPlan
 
 
 @dataclass(frozen=True)
