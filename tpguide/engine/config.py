@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from tpguide.guided.whitespace import check_whitespace_mode
+from tpguide.guided.params import check_whitespace_mode
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class EngineConfig:
         ``auto``: per request, xgrammar if it enforces the guide, else llguidance
         (:mod:`tpguide.guided.auto_backend`).
     json_whitespace : {"compact", "bounded", "any"}
-        Whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`); a
+        Whitespace between JSON tokens (:mod:`tpguide.guided.params`); a
         request's ``structured_output.json_whitespace`` overrides it.
     grammar_compile_timeout_s : float or None
         A guide whose admission (checks + compile, in a worker thread) takes

@@ -31,7 +31,7 @@ from tpguide.engine.step_finisher import StepFinisher
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.guided.admission import admit
 from tpguide.guided.compile_service import CompileService
-from tpguide.guided.output_check import validate_output
+from tpguide.guided.schema_check import validate_output
 from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepResult
 

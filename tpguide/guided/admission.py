@@ -15,7 +15,7 @@ constraint, so a request is refused up front (``finish_reason="error"``, a
 
 Each message names the keyword or the reason and the JSON pointer.  A request
 with ``"strict": false`` skips these checks (best effort); its output is still
-validated (:mod:`tpguide.guided.output_check`).
+validated (:mod:`tpguide.guided.schema_check`).
 
 :func:`admit` runs the checks and the compilation for one backend;
 :class:`~tpguide.guided.auto_backend.AutoBackend` runs it for xgrammar, then

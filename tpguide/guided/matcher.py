@@ -24,8 +24,7 @@ from typing import Any, Hashable
 import torch
 
 from tpguide.guided.bitmask import token_ids_to_bitmask_row
-from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE
+from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, StructuredOutputsParams
 
 
 class GrammarMatcher(abc.ABC):
@@ -94,7 +93,7 @@ class GuidedBackend(abc.ABC):
 
     name: str = ""
     supported_guide_types: frozenset = frozenset()
-    #: Default whitespace mode of JSON guides (:mod:`tpguide.guided.whitespace`).
+    #: Default whitespace mode of JSON guides (:mod:`tpguide.guided.params`).
     json_whitespace: str = DEFAULT_JSON_WHITESPACE
 
     def __init__(self, padded_vocab_size: int, stop_token_ids: list, cache_size: int = 128) -> None:
@@ -158,7 +157,7 @@ class GuidedBackend(abc.ABC):
         """Compile one guide; raise ValueError with the backend's message on bad input.
 
         JSON guides get ``json_whitespace=`` (one of
-        :data:`~tpguide.guided.whitespace.WHITESPACE_MODES`), other guides no option.
+        :data:`~tpguide.guided.params.WHITESPACE_MODES`), other guides no option.
         """
 
     @abc.abstractmethod
