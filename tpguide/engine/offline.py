@@ -16,7 +16,7 @@ from tpguide.engine.config import EngineConfig
 from tpguide.engine.engine import Engine
 from tpguide.engine.request import RequestOutput
 from tpguide.engine.request_io import parse_request_lines
-from tpguide.guided.tokenizer_vocab import producible_vocab_size
+from tpguide.guided.matcher import producible_vocab_size
 from tpguide.model.config import ModelConfig
 
 

@@ -19,9 +19,8 @@ from tpguide.guided.bitmask import (
     unpack_bitmask,
 )
 from tpguide.guided.decoder import GuidedDecoder
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, collect_stop_token_ids
 from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsParams
-from tpguide.guided.stop_tokens import collect_stop_token_ids
 
 #: Names accepted by :func:`make_backend`.
 BACKENDS = ("auto", "xgrammar", "llguidance")

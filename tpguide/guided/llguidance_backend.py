@@ -47,9 +47,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, producible_vocab_size
 from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
-from tpguide.guided.tokenizer_vocab import producible_vocab_size
 
 
 def _llguidance_message(text: str) -> str:
