@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from tpguide.guided.bitmask import (
+    GuidedDecoder,
     allocate_token_bitmask,
     find_dead_end_rows,
     split_bitmask,
     token_ids_to_bitmask_row,
     unpack_bitmask,
 )
-from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, collect_stop_token_ids
 from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsParams
 
