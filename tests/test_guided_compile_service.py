@@ -8,7 +8,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig
 from tpguide.engine.offline import generate_on_group
-from tpguide.guided.compile_service import CompileService, GrammarCompileTimeout
+from tpguide.guided.admission import CompileService, GrammarCompileTimeout
 
 #: xgrammar needs seconds for this regex (a 4000-state automaton); llguidance compiles it lazily.
 SLOW_REGEX = "[a-z]{1,4000}"

@@ -24,7 +24,7 @@ class EngineConfig:
         Prompt plus generated tokens per request (KV-cache length).
     guided_backend : {"auto", "xgrammar", "llguidance"}
         ``auto``: per request, xgrammar if it enforces the guide, else llguidance
-        (:mod:`tpguide.guided.auto_backend`).
+        (:mod:`tpguide.guided.admission`).
     json_whitespace : {"compact", "bounded", "any"}
         Whitespace between JSON tokens (:mod:`tpguide.guided.params`); a
         request's ``structured_output.json_whitespace`` overrides it.

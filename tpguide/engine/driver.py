@@ -29,8 +29,7 @@ from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import Scheduler
 from tpguide.engine.step_finisher import StepFinisher
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
-from tpguide.guided.admission import admit
-from tpguide.guided.compile_service import CompileService
+from tpguide.guided.admission import CompileService, admit
 from tpguide.guided.schema_check import validate_output
 from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepResult
@@ -104,7 +103,7 @@ class Driver:
         """Admit ``req`` (:func:`~tpguide.engine.admission.admit_request`) and queue it; never raises for bad input.
 
         A guide is checked (fail closed, :mod:`tpguide.guided.admission`) and
-        compiled in a worker thread (:class:`~tpguide.guided.compile_service.CompileService`);
+        compiled in a worker thread (:class:`~tpguide.guided.admission.CompileService`);
         requests join the scheduler in arrival order, each once its guide is
         admitted, while the running ones keep stepping.
         """
