@@ -2,7 +2,7 @@
 
 :func:`admit_request` tokenizes the prompt (chat template for ``messages``),
 checks its length against ``max_model_len`` (the sampling values are checked when
-:class:`~tpguide.engine.sampling_params.SamplingParams` is built) and
+:class:`~tpguide.engine.request.SamplingParams` is built) and
 compiles the structured-output guide.  Any failure raises ``ValueError``
 naming the values; :meth:`tpguide.engine.driver.Driver.add_request` turns it
 into ``finish_reason="error"`` for that request only.  Checks that refuse a
