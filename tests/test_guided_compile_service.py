@@ -6,8 +6,7 @@ import time
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import generate_on_group
+from tpguide.engine.engine import EngineConfig, generate_on_group
 from tpguide.guided.admission import CompileService, GrammarCompileTimeout
 
 #: xgrammar needs seconds for this regex (a 4000-state automaton); llguidance compiles it lazily.

@@ -5,8 +5,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import generate_on_group
+from tpguide.engine.engine import EngineConfig, generate_on_group
 from tpguide.guided import make_backend
 from tpguide.guided.bitmask import allocate_token_bitmask, unpack_bitmask
 from tpguide.guided.enforcement import matcher_accepts_text

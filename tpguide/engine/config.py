@@ -42,7 +42,7 @@ class EngineConfig:
     speculative_method : {None, "ngram", "draft-head"}
         Draft tokens verified by the target model each decode step
         (:mod:`tpguide.speculative.verify`); None = off.  ``"draft-head"``
-        needs the engine built with a draft head (:func:`tpguide.engine.offline.build_engine`).
+        needs the engine built with a draft head (:func:`tpguide.engine.engine.build_engine`).
     num_speculative_tokens : int
         ``K``, the most drafts per request per step (``>= 1`` with a method, 0 without).
     draft_num_layers : int or None

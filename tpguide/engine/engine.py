@@ -1,4 +1,4 @@
-"""The engine API: a step loop over one TP group (docs/architecture.md §1).
+"""The engine API: a step loop over one TP group, and the offline run over it (docs/architecture.md §1).
 
 In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 0), from ONE thread::
@@ -23,22 +23,34 @@ collective.  An unexpected exception on the driver *between* steps is sent
 to the other ranks as an ABORT message (they raise
 :class:`~tpguide.worker.runner.DriverAborted`) and re-raised; *inside* a
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
+
+Offline batch generation is a loop over the same API: :meth:`Engine.generate`
+runs a list of requests to completion; :func:`build_engine` loads this
+rank's model shard (and the driver's tokenizer) and builds the engine;
+:func:`generate_on_group` runs request lines on a group.  They serve
+``launch/generate.py`` (torchrun) and the multi-rank tests
+(:func:`tpguide.dist.spawn.run_on_ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.engine.config import EngineConfig
 from tpguide.engine.driver import Driver
 from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.request_io import parse_request_lines
+from tpguide.guided.matcher import producible_vocab_size
+from tpguide.model.config import ModelConfig
 from tpguide.worker.runner import Message, StepRunner
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "build_engine", "generate_on_group"]
 
 
 class Engine:
@@ -206,3 +218,76 @@ class Engine:
             self.runner.follow_driver()
         finally:
             self._pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------- offline: build and run
+
+def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
+    """Load this rank's model shard (and, on the driver, the tokenizer).
+
+    ``model_dir=None`` selects the embedded default model, a path ending in
+    ``.gguf`` that GGUF file (each converted once to safetensors by the driver
+    while the other ranks wait).
+
+    Raises
+    ------
+    ValueError
+        Missing model directory, unusable tp size, checkpoint/config mismatch.
+    """
+    from tpguide.model.loader import load_model
+    from tpguide.model.model_source import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(model_dir, group))  # HF directory, FILE.gguf (converted once) or default
+    # every rank checks the directory and tp size before the first collective,
+    # so each one fails with the same clear message
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {model_dir!r} does not exist")
+    ModelConfig.from_pretrained(model_dir).check_tp_size(group.tp_size)
+    tokenizer = stop_ids = error = None
+    if group.is_driver:
+        try:
+            from transformers import AutoTokenizer
+
+            from tpguide.guided import collect_stop_token_ids
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            stop_ids = collect_stop_token_ids(tokenizer, model_dir)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+            error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
+    tokenizer_vocab_size, all_stop_ids, error = C.broadcast_object(
+        (producible_vocab_size(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
+    if error is not None:
+        raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
+    model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size,
+                       tp_invariant=config.tp_invariant)
+    draft_head = None
+    if config.speculative_method == "draft-head":
+        from tpguide.speculative.draft_head import build_draft_head
+
+        num_hidden = model.config.num_hidden_layers
+        num_layers = config.draft_num_layers or -(-num_hidden // 3)
+        if num_layers > num_hidden:
+            raise ValueError(f"draft_num_layers={num_layers} exceeds the model's {num_hidden} layers")
+        draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids,
+                                      lens=config.draft_lens, tokenizer=tokenizer)
+    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head)
+
+
+def generate_on_group(group: TPGroup, model_dir: Optional[str], request_dicts: Sequence[Dict[str, Any]],
+                      config: EngineConfig, default_max_tokens: int = 64) -> List[Dict[str, Any]]:
+    """Run ``request_dicts`` on the group; every rank returns the driver's outputs.
+
+    Returns
+    -------
+    list of dict
+        One output line (:meth:`RequestOutput.to_json`) per request, input order.
+    """
+    engine = build_engine(group, model_dir, config)
+    outputs: Optional[List[RequestOutput]] = None
+    if group.is_driver:
+        requests = parse_request_lines([json.dumps(r) for r in request_dicts], default_max_tokens)
+        outputs = [o.to_json() for o in engine.generate(requests)]
+        engine.shutdown()
+    else:
+        engine.run_worker()
+    return C.broadcast_object(outputs, group)
