@@ -12,11 +12,11 @@ In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 
 and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 
-    driver   plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
+    driver   plan       Driver.plan_step        -> PlannedStep   (engine/driver.py)
              [draft-head drafting loop, collective]               (speculative/draft_loop.py)
              fill the guided rows in a thread                     (engine/driver.py)
     all      execute    StepRunner.execute(plan) -> StepResult    (worker/runner.py)
-    driver   finish     Driver.finish_step(planned, result)      (engine/step_finisher.py)
+    driver   finish     Driver.finish_step(planned, result)      (engine/driver.py)
 
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
