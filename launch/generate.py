@@ -39,7 +39,13 @@ from failure_policy import run_main  # noqa: E402
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
 from tpguide.engine import RequestOutput, build_engine  # noqa: E402
-from tpguide.engine.request_io import load_finished, open_partial, parse_request_lines, read_requests, write_outputs  # noqa: E402  # noqa: E402
+from tpguide.engine.request_io import (  # noqa: E402
+    load_finished,
+    open_partial,
+    parse_request_lines,
+    read_requests,
+    write_outputs,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
