@@ -5,9 +5,8 @@ docs/architecture.md §5.  In order: :func:`make_backend` (``xgrammar``,
 :class:`AutoBackend` (``--guided-backend auto``), :class:`CompileService`
 (admission in a worker thread, with a timeout).
 
-**Fail closed: refuse what the chosen backend cannot guarantee.**
-docs/architecture.md §5: an output that finishes ``"stop"`` satisfies its
-constraint, so a request is refused up front (``finish_reason="error"``, a
+**Fail closed: refuse what the chosen backend cannot guarantee.**  An output
+that finishes ``"stop"`` satisfies its constraint, so a request is refused up front (``finish_reason="error"``, a
 400 in the server) when:
 
 * its schema uses a keyword the backend does not enforce
@@ -25,8 +24,8 @@ validated (:mod:`tpguide.guided.schema_check`).  :func:`admit` runs the
 checks and the compilation for one backend; :class:`AutoBackend` runs it for
 xgrammar, then llguidance.
 
-**``--guided-backend auto``: per request, the first backend that can guarantee the guide.**
-Order: xgrammar (precomputed masks, the faster matcher), then llguidance.  A
+**``--guided-backend auto``: per request, the first backend that can
+guarantee the guide.**  Order: xgrammar (precomputed masks, the faster matcher), then llguidance.  A
 backend is taken when it enforces every keyword the schema uses, compiles the
 guide, and its first mask allows a token (:func:`admit`).
 If neither can, the request is refused with both reasons.  The choice is a
@@ -43,11 +42,11 @@ Only the first backend that can be built for the tokenizer is built with the
 request needs it (or a refusal names it), so a run whose guides xgrammar
 serves never builds llguidance.
 
-**Compilation off the step loop, with a per-guide timeout.**
-Compiling a large schema takes from milliseconds to minutes.  The driver
-submits each guided request's admission (checks + compile,
-:func:`admit`) here when the request arrives and
-keeps stepping the running batch; at each step it collects what finished
+**Compilation off the step loop, with a per-guide timeout.**  Compiling a
+large schema takes from milliseconds to minutes.  The driver submits each
+guided request's admission (checks + compile, :func:`admit`) to the
+:class:`CompileService` when the request arrives and keeps stepping the
+running batch; at each step it collects what finished
 (:meth:`CompileService.collect`) and only then lets those requests join the
 batch.  When nothing else can run it blocks in :meth:`CompileService.wait`.
 
