@@ -37,11 +37,6 @@ A ``grammar`` guide goes by its syntax, not by trial: GBNF (it has ``::=``)
 only to xgrammar, Lark only to llguidance, so a GBNF syntax error is
 reported as such and never reinterpreted by the other parser.
 
-Only the first backend that can be built for the tokenizer is built with the
-:class:`AutoBackend`; the next one (llguidance) is built the first time a
-request needs it (or a refusal names it), so a run whose guides xgrammar
-serves never builds llguidance.
-
 **Compilation off the step loop, with a per-guide timeout.**  Compiling a
 large schema takes from milliseconds to minutes.  The driver submits each
 guided request's admission (checks + compile, :func:`admit`) to the
@@ -60,7 +55,6 @@ compile never delays process exit.
 
 from __future__ import annotations
 
-import functools
 import json
 import queue
 import threading
@@ -72,7 +66,7 @@ from tpguide.guided.bitmask import allocate_token_bitmask, find_dead_end_rows
 from tpguide.guided.enforcement import unenforced_keys
 from tpguide.guided.keyword_cases import FORMAT_EXAMPLES, keyword_key
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.params import GUIDE_TYPES, StructuredOutputsParams
+from tpguide.guided.params import StructuredOutputsParams
 
 #: Names accepted by :func:`make_backend`.
 BACKENDS = ("auto", "xgrammar", "llguidance")
@@ -103,12 +97,16 @@ def make_backend(
         cannot use the tokenizer (``auto``: none can).
     """
     if name == "auto":
-        factories = {
-            each: functools.partial(make_backend, each, tokenizer, padded_vocab_size, stop_token_ids,
-                                    **{k: v for k, v in kwargs.items() if each == "xgrammar" or k != "max_threads"})
-            for each in AUTO_ORDER
-        }
-        return AutoBackend(factories)
+        backends, unavailable = {}, {}
+        for each in AUTO_ORDER:
+            options = {k: v for k, v in kwargs.items() if each == "xgrammar" or k != "max_threads"}
+            try:
+                backends[each] = make_backend(each, tokenizer, padded_vocab_size, stop_token_ids, **options)
+            except ValueError as exc:  # e.g. llguidance cannot read the tokenizer: auto goes on without it
+                unavailable[each] = str(exc)
+        if not backends:
+            raise ValueError(f"no guided backend can use this tokenizer: {unavailable}")
+        return AutoBackend(backends, unavailable=unavailable)
     if name == "xgrammar":
         from tpguide.guided.xgrammar_backend import XGrammarBackend
 
@@ -272,62 +270,35 @@ class AutoBackend(GuidedBackend):
 
     Parameters
     ----------
-    factories : dict of str to callable
-        ``name -> factory()`` building that backend for the same tokenizer,
-        ``padded_vocab_size`` and stop ids (``ValueError``: it cannot use the
-        tokenizer); tried in :data:`AUTO_ORDER`.  The first one that builds
-        is built here, the others when a request first needs them.
-    cache_size : int
-        Compiled guides kept.
+    backends : dict of str to GuidedBackend
+        Built for the same tokenizer, ``padded_vocab_size`` and stop ids;
+        tried in :data:`AUTO_ORDER`.
+    unavailable : dict of str to str, optional
+        Backends that could not be built for this tokenizer, with the reason.
 
     Raises
     ------
     ValueError
-        No backend can be built for the tokenizer (the message gives each reason).
+        No backend given, or their ``padded_vocab_size`` differ.
     """
 
     name = "auto"
     is_auto = True
-    #: auto takes every guide type; a backend that does not support one refuses it with its reason
-    supported_guide_types = frozenset(GUIDE_TYPES)
 
-    def __init__(self, factories: Dict[str, Callable[[], GuidedBackend]], cache_size: int = 128) -> None:
-        self._factories = {n: factories[n] for n in AUTO_ORDER if n in factories}
-        self._built: Dict[str, GuidedBackend] = {}
-        self._unavailable: Dict[str, str] = {}
-        self._build_lock = threading.Lock()
-        first = next((b for b in map(self._backend, self._factories) if b is not None), None)
-        if first is None:
-            raise ValueError(f"no guided backend can use this tokenizer: {self._unavailable}")
+    def __init__(self, backends: Dict[str, GuidedBackend], cache_size: int = 128,
+                 unavailable: Optional[Dict[str, str]] = None) -> None:
+        if not backends:
+            raise ValueError("AutoBackend needs at least one backend")
+        sizes = {b.padded_vocab_size for b in backends.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"backends disagree on padded_vocab_size: {sorted(sizes)}")
+        first = next(iter(backends.values()))
         super().__init__(first.padded_vocab_size, first.stop_token_ids, cache_size)
+        self.backends = {n: backends[n] for n in AUTO_ORDER if n in backends}
+        self.supported_guide_types = frozenset().union(*(b.supported_guide_types for b in backends.values()))
         self.json_whitespace = first.json_whitespace
-
-    def _backend(self, name: str) -> Optional[GuidedBackend]:
-        """Backend ``name``, built on first use; None if it cannot use the tokenizer."""
-        with self._build_lock:
-            if name not in self._built and name not in self._unavailable:
-                try:
-                    backend = self._factories[name]()
-                except ValueError as exc:  # e.g. llguidance cannot read the tokenizer: auto goes on without it
-                    self._unavailable[name] = str(exc)
-                else:
-                    if self._built and backend.padded_vocab_size != next(iter(self._built.values())).padded_vocab_size:
-                        raise ValueError(f"backends disagree on padded_vocab_size: {name} has "
-                                         f"{backend.padded_vocab_size}")
-                    self._built[name] = backend
-            return self._built.get(name)
-
-    @property
-    def backends(self) -> Dict[str, GuidedBackend]:
-        """Every backend that can use the tokenizer, in :data:`AUTO_ORDER` (builds those not built yet)."""
-        return {n: b for n in self._factories if (b := self._backend(n)) is not None}
-
-    @property
-    def unavailable(self) -> Dict[str, str]:
-        """``{name: why}`` of the backends that cannot use the tokenizer (builds those not built yet)."""
-        for name in self._factories:
-            self._backend(name)
-        return {n: self._unavailable[n] for n in self._factories if n in self._unavailable}
+        #: ``{name: why}`` of backends that could not be built (they are skipped, and named in refusals)
+        self.unavailable = dict(unavailable or {})
 
     def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
         """The first backend's admitted compilation (cached by ``params.cache_key``).
@@ -342,11 +313,8 @@ class AutoBackend(GuidedBackend):
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        reasons = []
-        for name in self._candidates(params):
-            backend = self._backend(name)
-            if backend is None:
-                continue
+        reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
+        for name, backend in self._candidates(params).items():
             try:
                 _, compiled = admit(backend, params)
             except ValueError as exc:
@@ -358,15 +326,14 @@ class AutoBackend(GuidedBackend):
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
             return result
-        reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()] + reasons
         raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
 
-    def _candidates(self, params: StructuredOutputsParams) -> List[str]:
-        """Names of the backends to try for ``params``, in order (a grammar by its syntax, see the module docstring)."""
+    def _candidates(self, params: StructuredOutputsParams) -> Dict[str, GuidedBackend]:
+        """Backends to try for ``params``, in order (a grammar by its syntax, see the module docstring)."""
         if params.guide_type != "grammar":
-            return list(self._factories)
+            return self.backends
         wanted = "xgrammar" if "::=" in params.grammar else "llguidance"
-        return [n for n in self._factories if n == wanted]
+        return {n: b for n, b in self.backends.items() if n == wanted}
 
     def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:  # pragma: no cover
         raise NotImplementedError("AutoBackend compiles through compile()")
