@@ -318,10 +318,6 @@ def _validator_of_text(schema_text: str) -> Optional[jsonschema.protocols.Valida
         return None  # the backend compiled it; jsonschema cannot judge it
 
 
-def _pointer(path: Any) -> str:
-    return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path) if path else ""
-
-
 def validate_output(params: StructuredOutputsParams, text: str) -> Optional[str]:
     """Why ``text`` does not satisfy ``params``, or None when it does (or no checker exists).
 
@@ -351,8 +347,8 @@ def validate_output(params: StructuredOutputsParams, text: str) -> Optional[str]
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
         if error is None:
             return None
-        return (f"output fails its {kind}: {error.message} (instance at {_pointer(error.absolute_path) or '/'}, "
-                f"schema at {_pointer(error.absolute_schema_path)})")
+        return (f"output fails its {kind}: {error.message} (instance at {_child('', *error.absolute_path) or '/'}, "
+                f"schema at {_child('', *error.absolute_schema_path)})")
     if kind == "regex":
         try:
             pattern = re.compile(params.regex)
