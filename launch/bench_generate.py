@@ -53,8 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpguide.dist import TPGroup  # noqa: E402
 from tpguide.dist.spawn import run_on_ranks  # noqa: E402
-from tpguide.engine.engine import EngineConfig  # noqa: E402
-from tpguide.engine.offline import build_engine  # noqa: E402
+from tpguide.engine import EngineConfig, build_engine  # noqa: E402
 from tpguide.engine.request_io import parse_request_lines  # noqa: E402
 
 SCHEMA = {
@@ -110,7 +109,7 @@ class GuidanceTimer:
 
     def __init__(self) -> None:
         from tpguide.engine.driver import Driver
-        from tpguide.guided.decoder import GuidedDecoder
+        from tpguide.guided.bitmask import GuidedDecoder
         from tpguide.worker.runner import StepRunner
 
         self.targets = [(Driver, "fill_bitmask", "overlapped"), (StepRunner, "_apply_bitmask", "critical"),

@@ -57,7 +57,7 @@ def _reason(error: str) -> str:
 def summarise(requests: list, outputs: list) -> dict:
     """Counts for one run (see the module docstring)."""
     sys.path.insert(0, REPO)
-    from tpguide.guided.output_check import validator_for_schema
+    from tpguide.guided.schema_check import validator_for_schema
 
     schemas = {r["id"]: r["structured_output"]["json"] for r in requests}
     counts = collections.Counter()

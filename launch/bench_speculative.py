@@ -28,8 +28,7 @@ from bench_generate import run_tpguide  # noqa: E402
 from demo_requests import DEMO_REQUESTS  # noqa: E402
 
 from tpguide.dist import TPGroup  # noqa: E402
-from tpguide.engine.engine import EngineConfig  # noqa: E402
-from tpguide.engine.offline import build_engine  # noqa: E402
+from tpguide.engine import EngineConfig, build_engine  # noqa: E402
 
 
 def run_once(engine, max_tokens: int):

@@ -35,7 +35,7 @@ from tpguide.model.loader import load_model  # noqa: E402
 
 
 class CollectiveTimer:
-    """Counts the calls into :mod:`tpguide.dist.collectives` and the seconds spent in them (patched in place)."""
+    """Counts the calls into the collectives of :mod:`tpguide.dist.group` and the seconds spent in them (patched in place)."""
 
     NAMES = ("all_reduce", "all_gather_stacked", "broadcast_tensor", "broadcast_object")
 

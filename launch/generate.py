@@ -14,7 +14,7 @@ Failures: a bad request line fails that request only (``finish_reason``
 ``"error"``, in its place in the output).  Finished requests are streamed
 to ``OUT.partial`` (fsync per line) and ``OUT`` is written atomically at the
 end, so a crash loses no finished request and ``--resume`` reruns only the
-rest (see :mod:`tpguide.engine.output_stream`).  A startup error (bad
+rest (see :mod:`tpguide.engine.request_io`).  A startup error (bad
 ``--model``, a tp size the model cannot use, mixed CPU/GPU ranks) or a
 failed rank makes every rank print ``[rank R] error: ...`` to stderr and
 exit 1; torchrun stops the other workers once one exits non-zero.
@@ -39,8 +39,13 @@ from failure_policy import run_main  # noqa: E402
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
 from tpguide.engine import RequestOutput, build_engine  # noqa: E402
-from tpguide.engine.output_stream import load_finished, open_partial  # noqa: E402
-from tpguide.engine.request_io import parse_request_lines, read_requests, write_outputs  # noqa: E402
+from tpguide.engine.request_io import (  # noqa: E402
+    load_finished,
+    open_partial,
+    parse_request_lines,
+    read_requests,
+    write_outputs,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ import pytest
 
 from tpguide.guided.admission import unenforced_keywords
 from tpguide.guided.disjoint import one_of_branches_disjoint
-from tpguide.guided.output_check import validator_for_schema
+from tpguide.guided.schema_check import validator_for_schema
 
 _INT, _STR = {"type": "integer"}, {"type": "string"}
 KIND_A = {"type": "object", "properties": {"kind": {"const": "a"}, "x": _INT}, "required": ["kind"]}

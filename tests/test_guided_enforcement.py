@@ -12,8 +12,8 @@ import pytest
 from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
 from tpguide.guided.enforcement import MEASURED, NOT_ENFORCED, TABLE_BACKENDS, format_table, measure_backend
 from tpguide.guided.keyword_cases import KEYWORD_CASES, keyword_key
-from tpguide.guided.output_check import validator_for_schema
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.schema_check import validator_for_schema
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

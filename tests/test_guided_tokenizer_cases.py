@@ -5,14 +5,13 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import generate_on_group
+from tpguide.engine.engine import EngineConfig, generate_on_group
 from tpguide.guided import make_backend
 from tpguide.guided.bitmask import allocate_token_bitmask, unpack_bitmask
 from tpguide.guided.enforcement import matcher_accepts_text
+from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.testing import metaspace_tokenizer, write_id_gap_tokenizer
-from tpguide.guided.tokenizer_vocab import producible_vocab_size
 
 METASPACE = "\u2581"
 

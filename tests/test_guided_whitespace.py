@@ -3,9 +3,13 @@
 import pytest
 
 from tpguide.guided.enforcement import matcher_accepts_text
-from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.params import (
+    MAX_BOUNDED_WHITESPACE,
+    WHITESPACE_MODES,
+    StructuredOutputsParams,
+    check_whitespace_mode,
+)
 from tpguide.guided.testing import load_test_backend
-from tpguide.guided.whitespace import MAX_BOUNDED_WHITESPACE, WHITESPACE_MODES, check_whitespace_mode
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 RUN = " " * MAX_BOUNDED_WHITESPACE

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tpguide.dist import TPGroup
+from tpguide.guided import collect_stop_token_ids
 from tpguide.model import default_model as dm
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
@@ -79,7 +80,8 @@ def test_default_model_matches_transformers_greedy():
         ref_logits = hf(torch.tensor([ids])).logits[0, -1]
 
     model = load_model(model_dir, TPGroup(), tokenizer_vocab_size=len(tok))
-    assert model.config.eos_token_ids == (2,)
+    stop_ids = collect_stop_token_ids(tok, model_dir)  # what the engine stops on
+    assert tok.eos_token_id == 2 and 2 in stop_ids
     model.allocate_kv_cache(1, 128)
     got, seq, new = [], [], ids
     for _ in range(8):
@@ -89,6 +91,6 @@ def test_default_model_matches_transformers_greedy():
             torch.testing.assert_close(logits[0, :49152], ref_logits, atol=1e-3, rtol=1e-4)
         seq, new = seq + new, [int(logits[0].argmax())]
         got.append(new[0])
-        if new[0] in model.config.eos_token_ids:
+        if new[0] in stop_ids:
             break
     assert got == ref[:len(got)], (tok.decode(got), tok.decode(ref))

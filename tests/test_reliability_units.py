@@ -5,8 +5,8 @@ import json
 import pytest
 
 from tpguide.dist.fault_inject import parse_fault_spec
-from tpguide.engine.output_stream import PartialWriter, load_finished, partial_path
 from tpguide.engine.request import RequestOutput
+from tpguide.engine.request_io import PartialWriter, load_finished, partial_path
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import check_schema_has_finite_instance
 

@@ -4,10 +4,8 @@ import json
 
 import pytest
 
-from tpguide.engine.output_stream import load_finished
-from tpguide.engine.request import RequestOutput
-from tpguide.engine.request_io import parse_request_lines, write_outputs
-from tpguide.engine.sampling_params import SamplingParams
+from tpguide.engine.request import RequestOutput, SamplingParams
+from tpguide.engine.request_io import load_finished, parse_request_lines, write_outputs
 
 
 def _line(**kw):

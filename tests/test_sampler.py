@@ -8,11 +8,11 @@ from sharding import shard_logits
 
 from tpguide.dist.group import TPGroup
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.sampling import candidates as sampler_candidates
 from tpguide.sampling import sampler as S
+from tpguide.sampling import sampler as sampler_candidates
 from tpguide.sampling.random_stream import gumbel_noise
 from tpguide.sampling.sampler import SamplingMetadata, local_candidates, merge_candidates, sample_by_hand
-from tpguide.worker.group_exchange import sample
+from tpguide.worker.runner import sample
 
 NEG_INF = float("-inf")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpguide.engine.sampling_params import SamplingParams
+from tpguide.engine.request import SamplingParams
 from tpguide.engine.stop_strings import find_stop_string
 from tpguide.sampling.penalties import apply_penalties_inplace, build_logit_penalties
 

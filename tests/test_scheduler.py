@@ -2,8 +2,7 @@
 
 import pytest
 
-from tpguide.engine.request import Request
-from tpguide.engine.sampling_params import SamplingParams
+from tpguide.engine.request import Request, SamplingParams
 from tpguide.engine.scheduler import Scheduler
 
 

@@ -93,8 +93,7 @@ def test_engine_config_accepts_both_methods(method):
 
 
 def test_draft_head_speculator_reserves_placeholders():
-    from tpguide.engine.request import Request
-    from tpguide.engine.sampling_params import SamplingParams
+    from tpguide.engine.request import Request, SamplingParams
     from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 
     spec = Speculator("draft-head", 3, max_model_len=64)
@@ -156,8 +155,7 @@ def test_fill_with_a_stop_token_drafted_clamps_the_accepted_drafts(spec_decoder)
 
 
 def test_scheduler_drafts_never_starve_a_later_decode():
-    from tpguide.engine.request import Request
-    from tpguide.engine.sampling_params import SamplingParams
+    from tpguide.engine.request import Request, SamplingParams
     from tpguide.engine.scheduler import Scheduler
 
     sched = Scheduler(3, 6, propose_drafts=lambda req, budget: [7] * (budget - 1))

@@ -51,8 +51,7 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
     """On 4 ranks: every architecture at tp 1..4 (ranks ``0..t-1``); returns ``{(arch, t): results}``."""
     import torch.distributed as dist
 
-    from tpguide.engine.engine import EngineConfig
-    from tpguide.engine.offline import generate_on_group
+    from tpguide.engine.engine import EngineConfig, generate_on_group
     from tpguide.model.loader import load_model
 
     rank = group.tp_rank

@@ -17,8 +17,8 @@ from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
-from tpguide.sampling.metadata import SamplingMetadata
-from tpguide.worker.group_exchange import sample
+from tpguide.sampling.sampler import SamplingMetadata
+from tpguide.worker.runner import sample
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

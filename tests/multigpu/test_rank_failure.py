@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import generate_on_group
+from tpguide.engine.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = [{"id": f"r{i}", "prompt": f"Story {i}:", "max_tokens": 20} for i in range(6)]

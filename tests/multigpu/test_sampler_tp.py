@@ -6,8 +6,8 @@ import torch
 from tpguide.dist.group import TPGroup
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.sampling.metadata import SamplingMetadata
-from tpguide.worker.group_exchange import sample
+from tpguide.sampling.sampler import SamplingMetadata
+from tpguide.worker.runner import sample
 
 ORG_VOCAB = 1001
 ROWS = 6

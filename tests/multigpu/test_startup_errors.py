@@ -16,11 +16,10 @@ import pytest
 
 from tpguide.dist.group import check_same_device_type
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import build_engine
+from tpguide.engine.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.random_checkpoint import write_random_checkpoint
-from tpguide.worker.messages import DriverAborted
+from tpguide.worker.runner import DriverAborted
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)

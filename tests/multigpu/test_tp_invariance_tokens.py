@@ -21,8 +21,7 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig
-from tpguide.engine.offline import generate_on_group
+from tpguide.engine.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO.parent / "shared" / "bench-data" / "vllm_fixtures.jsonl"

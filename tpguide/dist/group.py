@@ -1,9 +1,19 @@
-"""The tensor-parallel group: who am I, how many of us, which device.
+"""The tensor-parallel group and the thin collectives over it.
 
-``init_tp_group`` reads torchrun's environment (``WORLD_SIZE``, ``RANK``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``).  Without it (plain ``python``) it
-returns a size-1 group and never initialises ``torch.distributed``; every
-collective in :mod:`tpguide.dist.collectives` is then the identity.
+The group: who am I, how many of us, which device.  ``init_tp_group`` reads
+torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``).  Without it (plain ``python``) it returns a size-1
+group and never initialises ``torch.distributed``.
+
+The collectives (:func:`all_reduce`, :func:`all_gather_stacked`,
+:func:`broadcast_object`, :func:`broadcast_tensor`, :func:`scatter_tensor`,
+:func:`barrier`), Megatron-style: plain functions, the group passed
+explicitly, the identity at ``tp_size == 1`` (so the single-process path
+never touches ``torch.distributed``).  Every collective is called by *every*
+rank of the group in the same order (SPMD); the ``src`` of broadcasts and
+scatters is the driver, ``tp_rank`` 0.  Callers reach them as
+``tpguide.dist.collectives`` (the package's name for this module's
+collectives, see ``tpguide/dist/__init__.py``), so a test can wrap them.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,3 +190,93 @@ def destroy_tp_group(group: TPGroup, barrier: bool = True) -> None:
         if barrier:
             dist.barrier(group=group.process_group)
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- collectives
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, group: TPGroup, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over the group in place and return it.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        Any shape; same shape and dtype on every rank.
+    op : {"sum", "max", "min"}
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``op``.
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    if group.tp_size > 1:
+        dist.all_reduce(tensor, op=_OPS[op], group=group.process_group)
+    return tensor
+
+
+def all_gather_stacked(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Gather ``tensor`` from every rank: ``[*shape] -> [tp_size, *shape]``.
+
+    Row ``r`` of the result is rank ``r``'s tensor, on every rank.
+    """
+    if group.tp_size == 1:
+        return tensor.unsqueeze(0)
+    tensor = tensor.contiguous()
+    out = torch.empty((group.tp_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor, group=group.process_group) if tensor.is_cuda else (
+        dist.all_gather(list(out.unbind(0)), tensor, group=group.process_group)
+    )
+    return out
+
+
+def broadcast_object(obj: Any, group: TPGroup) -> Any:
+    """Send a picklable object from the driver to every rank; returns it everywhere.
+
+    Non-driver ranks pass anything (ignored), typically ``None``.
+    """
+    if group.tp_size == 1:
+        return obj
+    box = [obj if group.is_driver else None]
+    dist.broadcast_object_list(box, src=0, group=group.process_group, device=group.device)
+    return box[0]
+
+
+def broadcast_tensor(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with the driver's (same shape/dtype)."""
+    if group.tp_size > 1:
+        dist.broadcast(tensor, src=0, group=group.process_group)
+    return tensor
+
+
+def scatter_tensor(
+    out: torch.Tensor, chunks: Optional[Sequence[torch.Tensor]], group: TPGroup
+) -> torch.Tensor:
+    """Driver sends ``chunks[r]`` to rank ``r``; every rank receives into ``out``.
+
+    Parameters
+    ----------
+    out : torch.Tensor
+        This rank's receive buffer, shape and dtype of one chunk.
+    chunks : sequence of torch.Tensor or None
+        On the driver: ``tp_size`` tensors shaped like ``out``.  Ignored elsewhere.
+    """
+    if group.tp_size == 1:
+        assert chunks is not None and len(chunks) == 1
+        out.copy_(chunks[0])
+        return out
+    scatter_list: Optional[List[torch.Tensor]] = None
+    if group.is_driver:
+        assert chunks is not None and len(chunks) == group.tp_size
+        scatter_list = [c.contiguous() for c in chunks]
+    dist.scatter(out, scatter_list, src=0, group=group.process_group)
+    return out
+
+
+def barrier(group: TPGroup) -> None:
+    """Wait until every rank of the group arrives (no-op at size 1)."""
+    if group.tp_size > 1:
+        dist.barrier(group=group.process_group)

@@ -7,9 +7,7 @@ mathematics in :mod:`tpguide.sampling`, speculative decoding in
 :mod:`tpguide.speculative`.
 """
 
-from tpguide.engine.config import EngineConfig
-from tpguide.engine.engine import Engine
-from tpguide.engine.offline import build_engine
+from tpguide.engine.engine import Engine, EngineConfig, build_engine
 from tpguide.engine.request import Request, RequestOutput
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestOutput", "build_engine"]

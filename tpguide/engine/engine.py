@@ -1,4 +1,7 @@
-"""The engine API: a step loop over one TP group (docs/architecture.md §1).
+"""The engine: its configuration, its API (a step loop over one TP group), and the offline run over it.
+
+docs/architecture.md §1.  :class:`EngineConfig` holds the engine's limits and
+choices (validated, never mutated, the same on the driver and every rank).
 
 In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 0), from ONE thread::
@@ -12,35 +15,145 @@ In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 
 and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 
-    driver   plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
+    driver   plan       Driver.plan_step        -> PlannedStep   (engine/driver.py)
              [draft-head drafting loop, collective]               (speculative/draft_loop.py)
              fill the guided rows in a thread                     (engine/driver.py)
     all      execute    StepRunner.execute(plan) -> StepResult    (worker/runner.py)
-    driver   finish     Driver.finish_step(planned, result)      (engine/step_finisher.py)
+    driver   finish     Driver.finish_step(planned, result)      (engine/driver.py)
 
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
 to the other ranks as an ABORT message (they raise
-:class:`~tpguide.worker.messages.DriverAborted`) and re-raised; *inside* a
+:class:`~tpguide.worker.runner.DriverAborted`) and re-raised; *inside* a
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
+
+Offline batch generation is a loop over the same API: :meth:`Engine.generate`
+runs a list of requests to completion; :func:`build_engine` loads this
+rank's model shard (and the driver's tokenizer) and builds the engine;
+:func:`generate_on_group` runs request lines on a group.  They serve
+``launch/generate.py`` (torchrun) and the multi-rank tests
+(:func:`tpguide.dist.spawn.run_on_ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
-from tpguide.engine.config import EngineConfig
 from tpguide.engine.driver import Driver
 from tpguide.engine.request import Request, RequestOutput
-from tpguide.worker.messages import Message
-from tpguide.worker.runner import StepRunner
+from tpguide.engine.request_io import parse_request_lines
+from tpguide.guided.matcher import producible_vocab_size
+from tpguide.guided.params import check_whitespace_mode
+from tpguide.model.config import ModelConfig
+from tpguide.worker.runner import Message, StepRunner
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["Engine", "EngineConfig", "build_engine", "generate_on_group"]
 
+
+# ---------------------------------------------------------------------- configuration
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and choices (validated, never mutated).
+
+    Attributes
+    ----------
+    max_num_seqs : int
+        Requests running at once (KV-cache slots, guided bitmask rows).
+    max_num_batched_tokens : int
+        Token budget per step; longer prompts are prefilled in chunks.
+    max_model_len : int
+        Prompt plus generated tokens per request (KV-cache length).
+    guided_backend : {"auto", "xgrammar", "llguidance"}
+        ``auto``: per request, xgrammar if it enforces the guide, else llguidance
+        (:mod:`tpguide.guided.admission`).
+    json_whitespace : {"compact", "bounded", "any"}
+        Whitespace between JSON tokens (:mod:`tpguide.guided.params`); a
+        request's ``structured_output.json_whitespace`` overrides it.
+    grammar_compile_timeout_s : float or None
+        A guide whose admission (checks + compile, in a worker thread) takes
+        longer fails its request; None = no limit.
+    seed : int
+        Run seed; a request without ``seed`` uses ``seed * 1_000_003 + index``.
+    dtype : torch.dtype
+        Weights and activations (logits are fp32).
+    tp_invariant : bool
+        TP-invariant row-parallel reductions: logits, tokens and logprobs
+        bit-identical at tp 1..4 in every dtype (docs/architecture.md §6);
+        False: plain all-reduce.
+    speculative_method : {None, "ngram", "draft-head"}
+        Draft tokens verified by the target model each decode step
+        (:mod:`tpguide.speculative.verify`); None = off.  ``"draft-head"``
+        needs the engine built with a draft head (:func:`build_engine`).
+    num_speculative_tokens : int
+        ``K``, the most drafts per request per step (``>= 1`` with a method, 0 without).
+    draft_num_layers : int or None
+        ``draft-head``: target layers the drafter runs; None = a third of the
+        layers (rounded up).
+    draft_vocab_size : int
+        ``draft-head``: target ids the draft LM head predicts (the first ids
+        of the vocabulary plus the stop tokens; :func:`~tpguide.speculative.draft_head.select_draft_vocab`).
+    draft_lens : bool
+        ``draft-head`` with fewer layers than the target: put a tuned-lens
+        translator between the drafter's last layer and the final norm,
+        fitted once on built-in calibration text and cached
+        (:mod:`tpguide.speculative.draft_lens`); False = the raw early exit.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    guided_backend: str = "auto"
+    json_whitespace: str = "bounded"
+    grammar_compile_timeout_s: Optional[float] = 60.0
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    tp_invariant: bool = True
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: int = 0
+    draft_num_layers: Optional[int] = None
+    draft_vocab_size: int = 8192
+    draft_lens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_speculative(self.speculative_method, self.num_speculative_tokens)
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.guided_backend not in ("auto", "xgrammar", "llguidance"):
+            raise ValueError(f"guided_backend must be 'auto', 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
+        check_whitespace_mode(self.json_whitespace)
+        if self.grammar_compile_timeout_s is not None and self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0 or None, got {self.grammar_compile_timeout_s}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def _check_speculative(method: Optional[str], k: int) -> None:
+    from tpguide.speculative.verify import SPECULATIVE_METHODS
+
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be None or one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+    if method is None and k != 0:
+        raise ValueError(f"num_speculative_tokens={k} needs a speculative_method")
+    if method is not None and not 1 <= k <= 16:
+        raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative_method={method!r}, got {k}")
+
+
+# ---------------------------------------------------------------------- the engine API
 
 class Engine:
     """Generation over one TP group.  Build it on every rank with the same arguments.
@@ -207,3 +320,76 @@ class Engine:
             self.runner.follow_driver()
         finally:
             self._pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------- offline: build and run
+
+def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
+    """Load this rank's model shard (and, on the driver, the tokenizer).
+
+    ``model_dir=None`` selects the embedded default model, a path ending in
+    ``.gguf`` that GGUF file (each converted once to safetensors by the driver
+    while the other ranks wait).
+
+    Raises
+    ------
+    ValueError
+        Missing model directory, unusable tp size, checkpoint/config mismatch.
+    """
+    from tpguide.model.loader import load_model
+    from tpguide.model.model_source import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(model_dir, group))  # HF directory, FILE.gguf (converted once) or default
+    # every rank checks the directory and tp size before the first collective,
+    # so each one fails with the same clear message
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {model_dir!r} does not exist")
+    ModelConfig.from_pretrained(model_dir).check_tp_size(group.tp_size)
+    tokenizer = stop_ids = error = None
+    if group.is_driver:
+        try:
+            from transformers import AutoTokenizer
+
+            from tpguide.guided import collect_stop_token_ids
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            stop_ids = collect_stop_token_ids(tokenizer, model_dir)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
+            error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
+    tokenizer_vocab_size, all_stop_ids, error = C.broadcast_object(
+        (producible_vocab_size(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
+    if error is not None:
+        raise ValueError(error if group.is_driver else f"the driver (rank 0) failed to start: {error}")
+    model = load_model(model_dir, group, config.dtype, tokenizer_vocab_size=tokenizer_vocab_size,
+                       tp_invariant=config.tp_invariant)
+    draft_head = None
+    if config.speculative_method == "draft-head":
+        from tpguide.speculative.draft_head import build_draft_head
+
+        num_hidden = model.config.num_hidden_layers
+        num_layers = config.draft_num_layers or -(-num_hidden // 3)
+        if num_layers > num_hidden:
+            raise ValueError(f"draft_num_layers={num_layers} exceeds the model's {num_hidden} layers")
+        draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids,
+                                      lens=config.draft_lens, tokenizer=tokenizer)
+    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head)
+
+
+def generate_on_group(group: TPGroup, model_dir: Optional[str], request_dicts: Sequence[Dict[str, Any]],
+                      config: EngineConfig, default_max_tokens: int = 64) -> List[Dict[str, Any]]:
+    """Run ``request_dicts`` on the group; every rank returns the driver's outputs.
+
+    Returns
+    -------
+    list of dict
+        One output line (:meth:`RequestOutput.to_json`) per request, input order.
+    """
+    engine = build_engine(group, model_dir, config)
+    outputs: Optional[List[RequestOutput]] = None
+    if group.is_driver:
+        requests = parse_request_lines([json.dumps(r) for r in request_dicts], default_max_tokens)
+        outputs = [o.to_json() for o in engine.generate(requests)]
+        engine.shutdown()
+    else:
+        engine.run_worker()
+    return C.broadcast_object(outputs, group)

@@ -1,7 +1,12 @@
-"""Fail-closed admission of a guide: refuse what the chosen backend cannot guarantee.
+"""Admitting a guide: the backend that runs it, the fail-closed checks, the compile off the step loop.
 
-docs/architecture.md §5: an output that finishes ``"stop"`` satisfies its
-constraint, so a request is refused up front (``finish_reason="error"``, a
+docs/architecture.md §5.  In order: :func:`make_backend` (``xgrammar``,
+``llguidance`` or ``auto``), the fail-closed checks and :func:`admit`,
+:class:`AutoBackend` (``--guided-backend auto``), :class:`CompileService`
+(admission in a worker thread, with a timeout).
+
+**Fail closed: refuse what the chosen backend cannot guarantee.**  An output
+that finishes ``"stop"`` satisfies its constraint, so a request is refused up front (``finish_reason="error"``, a
 400 in the server) when:
 
 * its schema uses a keyword the backend does not enforce
@@ -15,24 +20,105 @@ constraint, so a request is refused up front (``finish_reason="error"``, a
 
 Each message names the keyword or the reason and the JSON pointer.  A request
 with ``"strict": false`` skips these checks (best effort); its output is still
-validated (:mod:`tpguide.guided.output_check`).
+validated (:mod:`tpguide.guided.schema_check`).  :func:`admit` runs the
+checks and the compilation for one backend; :class:`AutoBackend` runs it for
+xgrammar, then llguidance.
 
-:func:`admit` runs the checks and the compilation for one backend;
-:class:`~tpguide.guided.auto_backend.AutoBackend` runs it for xgrammar, then
-llguidance.
+**``--guided-backend auto``: per request, the first backend that can
+guarantee the guide.**  Order: xgrammar (precomputed masks, the faster matcher), then llguidance.  A
+backend is taken when it enforces every keyword the schema uses, compiles the
+guide, and its first mask allows a token (:func:`admit`).
+If neither can, the request is refused with both reasons.  The choice is a
+pure function of the guide and the installed backends, so every run makes the
+same one; only the driver chooses (the other ranks never see grammars).  The
+output line names the backend that ran (``"guided_backend"``).
+
+A ``grammar`` guide goes by its syntax, not by trial: GBNF (it has ``::=``)
+only to xgrammar, Lark only to llguidance, so a GBNF syntax error is
+reported as such and never reinterpreted by the other parser.
+
+**Compilation off the step loop, with a per-guide timeout.**  Compiling a
+large schema takes from milliseconds to minutes.  The driver submits each
+guided request's admission (checks + compile, :func:`admit`) to the
+:class:`CompileService` when the request arrives and keeps stepping the
+running batch; at each step it collects what finished
+(:meth:`CompileService.collect`) and only then lets those requests join the
+batch.  When nothing else can run it blocks in :meth:`CompileService.wait`.
+
+A compile that runs longer than ``timeout_s`` (counted from when a worker
+started it, not from submission) is reported as a
+:class:`GrammarCompileTimeout`; its thread cannot be interrupted, so it is
+abandoned (its result dropped) and a fresh worker replaces it, so one slow
+grammar never blocks the others.  Workers are daemon threads: an abandoned
+compile never delays process exit.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, List, Tuple
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from tpguide.guided.bitmask import allocate_token_bitmask, find_dead_end_rows
 from tpguide.guided.enforcement import unenforced_keys
 from tpguide.guided.keyword_cases import FORMAT_EXAMPLES, keyword_key
-from tpguide.guided.matcher import GuidedBackend
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
 
+#: Names accepted by :func:`make_backend`.
+BACKENDS = ("auto", "xgrammar", "llguidance")
+
+
+def make_backend(
+    name: str, tokenizer: Any, padded_vocab_size: int, stop_token_ids: list, **kwargs: Any
+) -> GuidedBackend:
+    """Build a guided-decoding backend for ``tokenizer``.
+
+    Parameters
+    ----------
+    name : str
+        ``"auto"`` (xgrammar or llguidance per request, :class:`AutoBackend`),
+        ``"xgrammar"`` or ``"llguidance"``.
+    tokenizer : transformers.PreTrainedTokenizerFast
+    padded_vocab_size : int
+        Bitmask width in tokens.
+    stop_token_ids : list of int
+        From :func:`~tpguide.guided.matcher.collect_stop_token_ids`.
+    **kwargs
+        Backend options (``json_whitespace``, ``cache_size``, ...).
+
+    Raises
+    ------
+    ValueError
+        Unknown ``name`` (the message lists :data:`BACKENDS`); a backend that
+        cannot use the tokenizer (``auto``: none can).
+    """
+    if name == "auto":
+        backends, unavailable = {}, {}
+        for each in AUTO_ORDER:
+            options = {k: v for k, v in kwargs.items() if each == "xgrammar" or k != "max_threads"}
+            try:
+                backends[each] = make_backend(each, tokenizer, padded_vocab_size, stop_token_ids, **options)
+            except ValueError as exc:  # e.g. llguidance cannot read the tokenizer: auto goes on without it
+                unavailable[each] = str(exc)
+        if not backends:
+            raise ValueError(f"no guided backend can use this tokenizer: {unavailable}")
+        return AutoBackend(backends, unavailable=unavailable)
+    if name == "xgrammar":
+        from tpguide.guided.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, padded_vocab_size, stop_token_ids, **kwargs)
+    if name == "llguidance":
+        from tpguide.guided.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, padded_vocab_size, stop_token_ids, **kwargs)
+    raise ValueError(f"unknown guided decoding backend {name!r}; choose one of {list(BACKENDS)}")
+
+
+# ------------------------------------------------------------------ the fail-closed checks
 
 class GuideRefused(ValueError):
     """A guide the backend cannot guarantee; the message says why and where."""
@@ -146,7 +232,7 @@ def check_first_mask(backend: GuidedBackend, compiled: Any, params: StructuredOu
 def admit(backend: GuidedBackend, params: StructuredOutputsParams) -> Tuple[str, Any]:
     """Check and compile ``params`` for ``backend``; returns ``(backend name that runs it, compiled)``.
 
-    ``backend`` may be an :class:`~tpguide.guided.auto_backend.AutoBackend`,
+    ``backend`` may be an :class:`AutoBackend`,
     whose ``compile`` chooses the backend and runs these checks itself.
 
     Raises
@@ -163,3 +249,210 @@ def admit(backend: GuidedBackend, params: StructuredOutputsParams) -> Tuple[str,
     compiled = backend.compile(params)
     check_first_mask(backend, compiled, params)
     return backend.name, compiled
+
+# ------------------------------------------------------------------ --guided-backend auto
+
+#: Backends :class:`AutoBackend` tries, in order.
+AUTO_ORDER = ("xgrammar", "llguidance")
+
+
+@dataclass(frozen=True)
+class AutoCompiled:
+    """A guide compiled by the backend :class:`AutoBackend` chose."""
+
+    backend_name: str
+    backend: GuidedBackend
+    compiled: Any
+
+
+class AutoBackend(GuidedBackend):
+    """Chooses xgrammar or llguidance per guide (see the module docstring).
+
+    Parameters
+    ----------
+    backends : dict of str to GuidedBackend
+        Built for the same tokenizer, ``padded_vocab_size`` and stop ids;
+        tried in :data:`AUTO_ORDER`.
+    unavailable : dict of str to str, optional
+        Backends that could not be built for this tokenizer, with the reason.
+
+    Raises
+    ------
+    ValueError
+        No backend given, or their ``padded_vocab_size`` differ.
+    """
+
+    name = "auto"
+    is_auto = True
+
+    def __init__(self, backends: Dict[str, GuidedBackend], cache_size: int = 128,
+                 unavailable: Optional[Dict[str, str]] = None) -> None:
+        if not backends:
+            raise ValueError("AutoBackend needs at least one backend")
+        sizes = {b.padded_vocab_size for b in backends.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"backends disagree on padded_vocab_size: {sorted(sizes)}")
+        first = next(iter(backends.values()))
+        super().__init__(first.padded_vocab_size, first.stop_token_ids, cache_size)
+        self.backends = {n: backends[n] for n in AUTO_ORDER if n in backends}
+        self.supported_guide_types = frozenset().union(*(b.supported_guide_types for b in backends.values()))
+        self.json_whitespace = first.json_whitespace
+        #: ``{name: why}`` of backends that could not be built (they are skipped, and named in refusals)
+        self.unavailable = dict(unavailable or {})
+
+    def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
+        """The first backend's admitted compilation (cached by ``params.cache_key``).
+
+        Raises
+        ------
+        GuideRefused
+            No backend can guarantee ``params``; the message gives each backend's reason.
+        """
+        key = (self.name,) + params.cache_key  # the key is_cached() looks up
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
+        for name, backend in self._candidates(params).items():
+            try:
+                _, compiled = admit(backend, params)
+            except ValueError as exc:
+                reasons.append(f"{name}: {exc}")
+                continue
+            result = AutoCompiled(name, backend, compiled)
+            with self._lock:
+                self._cache[key] = result
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return result
+        raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
+
+    def _candidates(self, params: StructuredOutputsParams) -> Dict[str, GuidedBackend]:
+        """Backends to try for ``params``, in order (a grammar by its syntax, see the module docstring)."""
+        if params.guide_type != "grammar":
+            return self.backends
+        wanted = "xgrammar" if "::=" in params.grammar else "llguidance"
+        return {n: b for n, b in self.backends.items() if n == wanted}
+
+    def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:  # pragma: no cover
+        raise NotImplementedError("AutoBackend compiles through compile()")
+
+    def matcher(self, compiled: AutoCompiled) -> GrammarMatcher:
+        return compiled.backend.matcher(compiled.compiled)
+
+
+# ------------------------------------------------------------------ compilation off the step loop
+
+class GrammarCompileTimeout(ValueError):
+    """A guide took longer than ``--grammar-compile-timeout`` to compile."""
+
+
+class _Job:
+    __slots__ = ("key", "fn", "started", "done", "result", "error", "abandoned")
+
+    def __init__(self, key: Hashable, fn: Callable[[], Any]) -> None:
+        self.key, self.fn = key, fn
+        self.started: Optional[float] = None
+        self.done = False
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+        self.abandoned = False
+
+
+class CompileService:
+    """Runs compile jobs in daemon worker threads; the caller polls for results.
+
+    Parameters
+    ----------
+    timeout_s : float or None
+        Seconds one job may run; None = no limit.
+    num_workers : int
+        Jobs compiled at once (both backends release the GIL while compiling).
+
+    Raises
+    ------
+    ValueError
+        ``timeout_s <= 0`` or ``num_workers < 1``.
+    """
+
+    def __init__(self, timeout_s: Optional[float] = None, num_workers: int = 1) -> None:
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"grammar compile timeout must be > 0 seconds or None, got {timeout_s}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.timeout_s = timeout_s
+        self._queue: "queue.Queue[_Job]" = queue.Queue()
+        self._jobs: Dict[Hashable, _Job] = {}
+        self._changed = threading.Condition()
+        for _ in range(num_workers):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        threading.Thread(target=self._work, name="tpguide-grammar-compile", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            with self._changed:
+                job.started = time.monotonic()
+            try:
+                result, error = job.fn(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                result, error = None, exc
+            with self._changed:
+                job.result, job.error, job.done = result, error, True
+                self._changed.notify_all()
+                if job.abandoned:
+                    return  # a replacement worker took over while this job overran
+
+    def submit(self, key: Hashable, fn: Callable[[], Any]) -> None:
+        """Queue ``fn()`` (no arguments) under ``key`` (unique among pending jobs)."""
+        if key in self._jobs:
+            raise ValueError(f"a compile job with key {key!r} is already pending")
+        job = _Job(key, fn)
+        self._jobs[key] = job
+        self._queue.put(job)
+
+    @property
+    def num_pending(self) -> int:
+        """Jobs submitted and not yet collected."""
+        return len(self._jobs)
+
+    def collect(self) -> List[Tuple[Hashable, Any, Optional[BaseException]]]:
+        """Jobs finished or timed out since the last call: ``(key, result, error)``, submission order.
+
+        A timed-out job's error is a :class:`GrammarCompileTimeout` naming the limit.
+        """
+        out = []
+        now = time.monotonic()
+        with self._changed:
+            for key, job in list(self._jobs.items()):
+                if job.done:
+                    out.append((key, job.result, job.error))
+                elif job.started is not None and self.timeout_s is not None and now - job.started > self.timeout_s:
+                    job.abandoned = True
+                    out.append((key, None, GrammarCompileTimeout(
+                        f"grammar compilation took longer than the limit of {self.timeout_s:g} s "
+                        f"(--grammar-compile-timeout); the request was not started")))
+                    self._start_worker()
+                else:
+                    continue
+                del self._jobs[key]
+        return out
+
+    def wait(self, max_wait_s: Optional[float] = None) -> None:
+        """Block until a pending job finishes, the earliest running job's deadline passes, or ``max_wait_s``."""
+        with self._changed:
+            if not self._jobs or any(j.done for j in self._jobs.values()):
+                return
+            deadlines = [j.started + self.timeout_s for j in self._jobs.values()
+                         if j.started is not None and self.timeout_s is not None]
+            wait_s = max_wait_s
+            if deadlines:
+                until = max(0.0, min(deadlines) - time.monotonic()) + 1e-3
+                wait_s = until if wait_s is None else min(wait_s, until)
+            # a queued job's deadline starts when a worker takes it: wake up then too
+            if any(j.started is None for j in self._jobs.values()) and self.timeout_s is not None:
+                wait_s = min(wait_s if wait_s is not None else self.timeout_s, self.timeout_s)
+            self._changed.wait(wait_s)

@@ -47,9 +47,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.tokenizer_vocab import producible_vocab_size
-from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, producible_vocab_size
+from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
 
 
 def _llguidance_message(text: str) -> str:
@@ -149,7 +148,7 @@ class LLGuidanceBackend(GuidedBackend):
         Bitmask width in tokens; must be at least the tokenizer's size.
     stop_token_ids : list of int
     json_whitespace : {"compact", "bounded", "any"}
-        Default whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`);
+        Default whitespace between JSON tokens (:mod:`tpguide.guided.params`);
         a request's ``json_whitespace`` overrides it.
     cache_size : int
 

@@ -1,6 +1,6 @@
 """``SpeculativeGuidedDecoder``: bitmask rows for draft-token verification (docs/architecture.md §5).
 
-A :class:`~tpguide.guided.decoder.GuidedDecoder` whose fill takes, per
+A :class:`~tpguide.guided.bitmask.GuidedDecoder` whose fill takes, per
 scheduled request, the drafts it verifies this step and fills ``1 + k``
 consecutive rows by advancing the matcher through the drafts (see
 :mod:`tpguide.guided.spec_counters` for the row layout and the rollback
@@ -21,8 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from tpguide.guided.bitmask import find_dead_end_rows
-from tpguide.guided.decoder import GuidedDecoder
+from tpguide.guided.bitmask import GuidedDecoder, find_dead_end_rows
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.spec_counters import SlotCounters
 

@@ -1,7 +1,19 @@
-"""Test helpers: the embedded SmolLM2 tokenizer and a deterministic matcher driver.
+"""Helpers for testing a guided-decoding backend, tokenizer or grammar, like ``xgrammar.testing``.
 
-Like ``xgrammar.testing``: used by ``tests/test_guided_*.py``, importable from
-other tests.  Nothing here runs in the engine.
+For downstream users: someone who adds a backend, checks a tokenizer or
+writes a grammar can test it the way tpguide's own tests do
+(``tests/test_guided_*.py`` use this module too).  Nothing here runs in the
+engine, and no engine module imports it (docs/architecture.md §5).
+
+* :func:`load_test_tokenizer`, :func:`load_test_backend`: the embedded
+  SmolLM2 tokenizer and a backend for it, once per process;
+* :func:`drive_matcher` (with :func:`steering_biases`): generate greedily
+  from deterministic random logits under a matcher's bitmask, checking each
+  mask, until the matcher terminates;
+* :func:`json_prefix_bitmask`: a real xgrammar bitmask after given prefixes;
+* :func:`write_id_gap_tokenizer`, :func:`metaspace_tokenizer`: tokenizers
+  with an id gap before EOS and with a SentencePiece-style metaspace, the
+  cases that broke backends before.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def tokenizer_cache_dir() -> str:
     """Where the converted tokenizer is kept (``$TPGUIDE_CACHE`` or ``~/.cache/tpguide``)."""
-    from tpguide.cache import cache_root
+    from tpguide.model.cache import cache_root
 
     return str(cache_root() / "tokenizers" / "SmolLM2-135M-Instruct")
 

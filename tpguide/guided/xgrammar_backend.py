@@ -34,7 +34,7 @@ import torch
 import xgrammar as xgr
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.whitespace import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, xgrammar_json_options
+from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, xgrammar_json_options
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -138,7 +138,7 @@ class XGrammarBackend(GuidedBackend):
         Bitmask width in tokens.
     stop_token_ids : list of int
     json_whitespace : {"compact", "bounded", "any"}
-        Default whitespace between JSON tokens (:mod:`tpguide.guided.whitespace`);
+        Default whitespace between JSON tokens (:mod:`tpguide.guided.params`);
         a request's ``json_whitespace`` overrides it.
     max_threads : int
         Compiler threads.

@@ -56,7 +56,7 @@ NUM_PARAMS = 14
 
 def cache_dir() -> Path:
     """``$TPGUIDE_CACHE/kernels`` if the variable is set, else ``~/.cache/tpguide/kernels``."""
-    from tpguide.cache import cache_root
+    from tpguide.model.cache import cache_root
 
     return cache_root() / "kernels"
 

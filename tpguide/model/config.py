@@ -134,8 +134,6 @@ class ModelConfig:
         The multimodal architecture (``Gemma3ForConditionalGeneration``)
         whose language model this is; its checkpoint names carry a prefix
         and its vision tensors are skipped (:mod:`tpguide.model.gemma3`).
-    eos_token_ids : tuple of int
-        Stop ids from ``config.json`` and ``generation_config.json``.
     hf_config : transformers.PretrainedConfig or None
         Kept for the RoPE init functions of transformers; not compared.
     tp_invariant : bool
@@ -173,7 +171,6 @@ class ModelConfig:
     final_logit_softcapping: Optional[float] = None
     embed_scale: float = 1.0
     text_decoder_of: Optional[str] = None
-    eos_token_ids: Tuple[int, ...] = ()
     tp_invariant: bool = True
     hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
 
@@ -208,8 +205,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def from_hf(cls, hf_config: Any, generation_config: Optional[Any] = None) -> "ModelConfig":
-        """Build from a ``transformers`` config (and optional generation config).
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Build from a ``transformers`` config.
 
         See :func:`tpguide.model.hf_config.model_config_kwargs` for the
         per-family translation.
@@ -222,11 +219,11 @@ class ModelConfig:
         """
         from tpguide.model.hf_config import model_config_kwargs
 
-        return cls(**model_config_kwargs(hf_config, generation_config))
+        return cls(**model_config_kwargs(hf_config))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``config.json`` (and ``generation_config.json`` if present) from a local directory.
+        """Read ``config.json`` from a local directory.
 
         A complete, plain config (every field explicit, default RoPE) is read
         with ``json`` alone: importing transformers costs each rank seconds.
@@ -243,14 +240,11 @@ class ModelConfig:
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"no config.json in model directory {str(model_dir)!r}")
         raw = json.loads((model_dir / "config.json").read_text())
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         if _is_plain_config(raw):
-            return cls.from_hf(SimpleNamespace(**raw), SimpleNamespace(**gen) if gen else None)
+            return cls.from_hf(SimpleNamespace(**raw))
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls.from_hf(hf_config, SimpleNamespace(**gen) if gen else None)
+        return cls.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
     # ---------------------------------------------------------------- derived
     @property

@@ -18,7 +18,7 @@ listing what is supported, before any weight is read.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from tpguide.model.config import SUPPORTED_ARCHITECTURES
 
@@ -67,16 +67,6 @@ def check_supported(hf_config: Any) -> str:
     return arch
 
 
-def _eos_ids(*sources: Any) -> tuple:
-    eos: list = []
-    for src in sources:
-        value = getattr(src, "eos_token_id", None) if src is not None else None
-        for tok in ([value] if isinstance(value, int) else (value or [])):
-            if int(tok) not in eos:
-                eos.append(int(tok))
-    return tuple(eos)
-
-
 def _layer_types(hf_config: Any, num_layers: int) -> tuple:
     if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2/3: a sliding_window value alone is inert
         return ()
@@ -97,7 +87,7 @@ def _rope_parameters(hf_config: Any, arch: str) -> Dict[str, Any]:
     return rope
 
 
-def model_config_kwargs(hf_config: Any, generation_config: Optional[Any] = None) -> Dict[str, Any]:
+def model_config_kwargs(hf_config: Any) -> Dict[str, Any]:
     """Keyword arguments of :class:`~tpguide.model.config.ModelConfig` for ``hf_config``.
 
     Parameters
@@ -105,8 +95,6 @@ def model_config_kwargs(hf_config: Any, generation_config: Optional[Any] = None)
     hf_config : transformers.PretrainedConfig or SimpleNamespace
         The model's config (a namespace of a plain ``config.json`` works for
         Llama, Mistral and Qwen2 without a window).
-    generation_config : object, optional
-        Its ``eos_token_id`` entries join the stop ids.
 
     Raises
     ------
@@ -119,8 +107,7 @@ def model_config_kwargs(hf_config: Any, generation_config: Optional[Any] = None)
         text.architectures = [TEXT_DECODER_OF[arch]]
         if getattr(hf_config, "tie_word_embeddings", None) is not None:
             text.tie_word_embeddings = hf_config.tie_word_embeddings
-        kwargs = model_config_kwargs(text, generation_config)
-        kwargs["eos_token_ids"] = _eos_ids(hf_config, text, generation_config)
+        kwargs = model_config_kwargs(text)
         kwargs["text_decoder_of"] = arch
         return kwargs
     bias = bool(getattr(hf_config, "attention_bias", False))
@@ -151,7 +138,6 @@ def model_config_kwargs(hf_config: Any, generation_config: Optional[Any] = None)
         layer_types=layer_types,
         sliding_window=getattr(hf_config, "sliding_window", None) if "sliding_attention" in layer_types else None,
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-        eos_token_ids=_eos_ids(hf_config, generation_config),
         hf_config=hf_config,
     )
     if gemma:

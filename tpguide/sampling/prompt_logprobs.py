@@ -13,7 +13,7 @@ and never sees a full row:
   target's logit (exactly one rank holds it), and a top-``n`` merge gives
   the global top-``n`` (keys: larger logit first, lower id on ties);
 * ``sum(exp(x - max))`` as a fixed-point int64, all-reduced
-  (:func:`~tpguide.sampling.candidates.fixed_point_exp_sum`), so the normaliser
+  (:func:`~tpguide.sampling.sampler.fixed_point_exp_sum`), so the normaliser
   and therefore every logprob are bit-identical for every tp_size.
 
 Bytes per row and rank: ``8 * (3 + n) * tp`` received by the all-gather plus
@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.sampling.candidates import fixed_point_exp_sum, key_ids, key_values, order_keys
 from tpguide.sampling.exchange import ShardsByHand
-from tpguide.sampling.metadata import FIXED_ONE
+from tpguide.sampling.sampler import FIXED_ONE, fixed_point_exp_sum, key_ids, key_values, order_keys
 
 _HEAD = 3  # max key, target key, bad flag; then the top-n keys
 _NO_KEY = torch.iinfo(torch.int64).min
@@ -128,7 +127,7 @@ def prompt_logprobs_with_exchange(exchange, target_ids: torch.Tensor, num_top: i
 
 
 def prompt_logprobs_by_hand(logits_shards, target_ids: torch.Tensor, num_top: int, shards) -> PromptLogprobs:
-    """:func:`tpguide.worker.group_exchange.compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
+    """:func:`tpguide.worker.runner.compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
     for x, s in zip(logits_shards, shards, strict=True):
         check_prompt_inputs(x, target_ids, num_top, s)
     return prompt_logprobs_with_exchange(ShardsByHand(logits_shards, shards), target_ids, num_top,

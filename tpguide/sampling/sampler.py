@@ -76,38 +76,335 @@ per prompt row.  The step plan (one ``broadcast_object``) is ``O(T)``
 integers, a few KiB.  A guided greedy row thus costs about 1.7 KiB: 1.2% of
 what the model's own activation all-reduces move per token (``576 * 4 * 61``
 bytes) and 0.9% of a full-logits gather; a top-p row about 9.6 KiB (7%).
+
+The file holds, in order: the sampler's per-row parameters and its output
+(:class:`SamplingMetadata`, :class:`SamplerOutput`, the constants); one
+rank's candidates and their merge, pure functions without collectives
+(:func:`local_candidates` builds one rank's all-gather payload,
+:func:`merge_candidates` merges the stacked payloads identically on every
+rank, :func:`local_sum_exp` and :func:`fixed_point_exp_sum` give the
+tp-invariant log-sum-exp); then the protocol around them
+(:func:`sample_with_exchange`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import torch
 
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.sampling.candidates import (
-    Merged,
-    RowModes,
-    key_ids,
-    key_values,
-    local_candidates,
-    local_sum_exp,
-    merge_candidates,
-    num_candidates,
-    row_modes,
-)
 from tpguide.sampling.exchange import ShardsByHand
-from tpguide.sampling.metadata import (  # SamplingMetadata re-exported
-    FIXED_ONE,
-    ID_SPAN,
-    MAX_VOCAB_SIZE,
-    MIN_TEMPERATURE,
-    TOP_P_GROWTH,
-    SamplerOutput,
-    SamplingMetadata,
-)
 from tpguide.sampling.random_stream import gumbel_noise
 
+if TYPE_CHECKING:
+    from tpguide.sampling.penalties import LogitPenalties
+
+
+# ------------------------------------------------------------- parameters and output
+
+#: Candidates per rank for rows that use top-p without top-k (first round).
+TOP_P_CANDIDATES = 256
+#: Factor by which the candidate count grows when a nucleus does not fit.
+TOP_P_GROWTH = 8
+#: Temperatures below this are greedy (vLLM's sampling epsilon).
+MIN_TEMPERATURE = 1e-5
+FIXED_ONE = 2.0**44  # fixed-point unit of sum_exp; 2**19 tokens * 2**44 < 2**63
+MAX_VOCAB_SIZE = 2**19
+ID_SPAN = 2**32
+NUM_HEAD_COLS = 4  # greedy key, Gumbel score bits, Gumbel key, bad flag; then K candidate keys
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of one step (rows = sample rows, CPU or device).
+
+    Attributes
+    ----------
+    temperature : Tensor, float32 [rows]
+        ``>= 0``; below :data:`MIN_TEMPERATURE` means greedy.
+    top_k : Tensor, int32 [rows]
+        ``0`` or ``-1`` = off; ``>= org_vocab_size`` is off too.
+    top_p : Tensor, float32 [rows]
+        In ``(0, 1]``; ``1`` = off.
+    seeds : Tensor, int64 [rows]
+        Seed of each row's request (any 64-bit value).
+    sample_positions : Tensor, int64 [rows]
+        Absolute position of the token each row produces (tokens, ``>= 0``).
+    num_logprobs : int
+        Top-n logprobs to return per row (max over the batch); 0 = none.
+    penalties : LogitPenalties or None
+        Sparse penalties and logit biases, applied to each rank's logits
+        shard before masking and sampling (:mod:`tpguide.sampling.penalties`).
+    return_logprobs : bool
+        Compute :attr:`SamplerOutput.logprobs` (forced on when ``num_logprobs > 0``).
+        When off and no row uses top-p alone, the log-sum-exp pass over the
+        vocabulary and its all-reduce are skipped, and ``logprobs`` is NaN.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Wrong shapes, dtypes or out-of-range values (the message names them).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    sample_positions: torch.Tensor
+    num_logprobs: int = 0
+    return_logprobs: bool = True
+    penalties: Optional["LogitPenalties"] = None
+
+    def __post_init__(self) -> None:
+        rows = self.temperature.shape
+        for name, dtypes in (("temperature", (torch.float32,)), ("top_k", (torch.int32, torch.int64)),
+                             ("top_p", (torch.float32,)), ("seeds", (torch.int64,)),
+                             ("sample_positions", (torch.int64,))):
+            t = getattr(self, name)
+            if t.dtype not in dtypes:
+                raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+            if t.dim() != 1 or t.shape != rows:
+                raise ValueError(f"{name} must be 1-D of shape {tuple(rows)}, got {tuple(t.shape)}")
+        if not bool(((self.temperature >= 0) & torch.isfinite(self.temperature)).all()):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature.tolist()}")
+        if not bool(((self.top_p > 0) & (self.top_p <= 1)).all()):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p.tolist()}")
+        if not bool((self.top_k >= -1).all()):
+            raise ValueError(f"top_k must be >= -1 (0 or -1 = off), got {self.top_k.tolist()}")
+        if not bool((self.sample_positions >= 0).all()):
+            raise ValueError(f"sample_positions must be >= 0, got {self.sample_positions.tolist()}")
+        if self.num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    def to(self, device: torch.device | str) -> "SamplingMetadata":
+        """A copy with every tensor on ``device`` (not in place)."""
+        moved = {f: getattr(self, f).to(device) for f in ("temperature", "top_k", "top_p", "seeds", "sample_positions")}
+        penalties = self.penalties.to(device) if self.penalties is not None else None
+        return SamplingMetadata(**moved, num_logprobs=self.num_logprobs, return_logprobs=self.return_logprobs,
+                                penalties=penalties)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Sampling result, identical on every rank (same device as the logits).
+
+    Attributes
+    ----------
+    token_ids : Tensor, int64 [rows]
+        Sampled global token ids; ``-1`` on bad rows.
+    logprobs : Tensor, float32 [rows]
+        ``log_softmax(logits)`` of the sampled token (raw, see module docstring).
+    top_logprob_ids, top_logprobs : Tensor, int64 / float32 [rows, num_logprobs]
+        The ``num_logprobs`` most likely tokens, larger logit first, lower id on ties.
+    bad_rows : Tensor, bool [rows]
+        All ``-inf``, a NaN or ``+inf`` in the row, or a padded id won: fail that request.
+    num_candidates : int
+        Candidates gathered per rank in the last round (diagnostics; 0 = none).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprob_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    bad_rows: torch.Tensor
+    num_candidates: int
+
+
+# ------------------------------------------------------------- one rank's candidates (pure)
+
+class RowModes(NamedTuple):
+    greedy: torch.Tensor  # bool [rows], CPU
+    top_k_on: torch.Tensor
+    top_p_on: torch.Tensor
+    plain: torch.Tensor  # temperature sampling without top-k/top-p
+
+
+def row_modes(meta: SamplingMetadata, org_vocab_size: int) -> RowModes:
+    greedy = meta.temperature.cpu() < MIN_TEMPERATURE
+    top_k = meta.top_k.cpu()
+    k_on = (top_k >= 1) & (top_k < org_vocab_size) & ~greedy
+    p_on = (meta.top_p.cpu() < 1) & ~greedy
+    return RowModes(greedy, k_on, p_on, ~greedy & ~k_on & ~p_on)
+
+
+def num_candidates(meta: SamplingMetadata, org_vocab_size: int) -> int:
+    """First-round candidate count ``K`` for a batch (see module docstring)."""
+    modes = row_modes(meta, org_vocab_size)
+    k = meta.num_logprobs
+    if bool(modes.top_k_on.any()):
+        k = max(k, int(meta.top_k.cpu()[modes.top_k_on].max()))
+    if bool((modes.top_p_on & ~modes.top_k_on).any()):
+        k = max(k, TOP_P_CANDIDATES)
+    return min(k, org_vocab_size)
+
+
+def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered by (fp32 value ascending, id descending); unique per id.
+
+    The fp32 bit pattern is made monotone (flip the magnitude bits of
+    negatives, the radix-sort trick) and placed above ``2**32 - 1 - id``.
+    ``values`` must be fp32 with ``-0.0`` already turned into ``+0.0``.
+    """
+    bits = values.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return ordered * ID_SPAN + (ID_SPAN - 1 - ids)
+
+
+def key_ids(keys: torch.Tensor) -> torch.Tensor:
+    return (ID_SPAN - 1) - (keys & (ID_SPAN - 1))
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values of :func:`order_keys` keys, returned as float64 (exact)."""
+    ordered = keys >> 32
+    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(torch.int32).view(torch.float32).to(torch.float64)
+
+
+def local_candidates(
+    logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard, num_candidates: int
+) -> torch.Tensor:
+    """One rank's packed sampling candidates (pure; the all-gather payload).
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float [rows, V_local]
+        This rank's logits (bitmask applied); not modified.
+    meta : SamplingMetadata
+    shard : VocabShard
+        Gives ``vocab_start_index`` (global id of column 0) and ``org_vocab_size``.
+    num_candidates : int
+        ``K``; the rank sends its top ``min(K, V_local)`` keys.
+
+    Returns
+    -------
+    Tensor, int64 [rows, 4 + min(K, V_local)]
+        Columns: max key; Gumbel score (float64 bits; the max logit on rows
+        that are not plain temperature rows); key of the Gumbel winner; 1 if
+        the row holds a NaN or ``+inf``; then the top keys, largest first.
+    """
+    x = logits_shard.to(torch.float32) + 0.0  # [rows, V_local]; -0.0 -> +0.0
+    rows, width = x.shape
+    start = shard.vocab_start_index
+    ids = torch.arange(start, start + width, device=x.device)
+    # max and its first index = the max key (larger value, then lower id); NaN propagates
+    row_max, first = x.max(dim=-1)  # [rows]
+    max_key = order_keys(row_max, first + start)
+    bad = torch.isnan(row_max) | (row_max == float("inf"))
+    # rows that are not plain temperature rows carry the greedy pair here (no noise)
+    score, winner_key = key_values(max_key), max_key.clone()
+    plain = row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
+    if plain.numel():
+        temp = meta.temperature.to(x.device, torch.float64)[plain]
+        seeds, positions = meta.seeds.to(x.device)[plain], meta.sample_positions.to(x.device)[plain]
+        noise = gumbel_noise(seeds, positions, ids)  # [P, V_local]
+        s = x[plain].to(torch.float64) / temp[:, None] + noise
+        best = s.argmax(dim=-1, keepdim=True)  # first maximum = lowest id on ties
+        score[plain] = s.gather(-1, best).squeeze(-1)
+        winner_key[plain] = order_keys(x[plain].gather(-1, best).squeeze(-1), best.squeeze(-1) + start)
+    k = min(num_candidates, width)
+    if k:  # full-row keys only when candidates are wanted: [rows, V_local] int64
+        top = order_keys(x, ids).topk(k, dim=-1).values  # sorted, largest first
+    else:
+        top = max_key.new_empty((rows, 0))
+    head = torch.stack([max_key, score.view(torch.int64), winner_key, bad.to(torch.int64)], dim=-1)
+    return torch.cat([head, top], dim=-1)
+
+
+class Merged(NamedTuple):
+    """Global candidates after :func:`merge_candidates` (identical on every rank)."""
+
+    max_key: torch.Tensor  # int64 [rows]: greedy winner
+    gumbel_key: torch.Tensor  # int64 [rows]: plain temperature winner
+    bad: torch.Tensor  # bool [rows]
+    cand_keys: torch.Tensor  # int64 [rows, min(K, tp * V_local)], largest first
+
+
+def merge_candidates(stacked: torch.Tensor, num_candidates: int) -> Merged:
+    """Merge every rank's :func:`local_candidates` (pure).
+
+    Parameters
+    ----------
+    stacked : Tensor, int64 [tp_size, rows, 4 + K_local]
+        Rank ``r``'s payload in row ``r`` (from ``all_gather_stacked``).
+    num_candidates : int
+        ``K`` to keep (at most ``tp_size * K_local``).
+    """
+    tp, rows, _ = stacked.shape
+    scores = stacked[:, :, 1].view(torch.float64)  # [tp, rows]
+    g_keys = stacked[:, :, 2]
+    tied = scores == scores.max(dim=0, keepdim=True).values
+    # among the ranks with the best score, the one whose winner has the lowest id
+    tie_ids = torch.where(tied, key_ids(g_keys), ID_SPAN)
+    src = tie_ids.argmin(dim=0, keepdim=True)  # [1, rows]
+    cands = stacked[:, :, NUM_HEAD_COLS:].permute(1, 0, 2).reshape(rows, tp * (stacked.shape[2] - NUM_HEAD_COLS))
+    return Merged(
+        max_key=stacked[:, :, 0].max(dim=0).values,
+        gumbel_key=g_keys.gather(0, src).squeeze(0),
+        bad=stacked[:, :, 3].max(dim=0).values.bool(),
+        cand_keys=cands.topk(min(num_candidates, cands.shape[1]), dim=-1).values,
+    )
+
+
+def local_sum_exp(logits_shard: torch.Tensor, gmax: torch.Tensor, inv_temperature: torch.Tensor,
+                  scaled_rows: Optional[torch.Tensor] = None, plain_sum: bool = True) -> torch.Tensor:
+    """Fixed-point ``sum(exp(x - gmax))`` and ``sum(exp((x - gmax) / T))`` of one rank (pure).
+
+    Parameters
+    ----------
+    logits_shard : Tensor, float [rows, V_local]
+    gmax : Tensor, float64 [rows]
+        Global max logit (finite; 0 on bad rows).
+    inv_temperature : Tensor, float64 [rows]
+    scaled_rows : Tensor, int64 [S], optional
+        Rows whose second sum is wanted (default: all); the others get 0
+        there (the sampler needs it for top-p-only rows alone).
+    plain_sum : bool
+        Compute the first sum (else 0: no logprobs wanted).
+
+    Returns
+    -------
+    Tensor, int64 [rows, 2]
+        Sums in units of ``2**-44``; add them over ranks.
+    """
+    d = logits_shard.to(torch.float64) - gmax[:, None]  # <= 0 on good rows
+    out = torch.zeros((d.shape[0], 2), dtype=torch.int64, device=d.device)
+    if plain_sum:
+        out[:, 0] = fixed_point_exp_sum(d)
+    if scaled_rows is None:
+        out[:, 1] = fixed_point_exp_sum(d * inv_temperature[:, None])
+    elif scaled_rows.numel():
+        out[scaled_rows, 1] = fixed_point_exp_sum(d[scaled_rows] * inv_temperature[scaled_rows, None])
+    return out
+
+
+def fixed_point_exp_sum(d: torch.Tensor) -> torch.Tensor:
+    """``sum(exp(d), dim=-1)`` in int64 units of ``2**-44`` (pure; add the results over ranks).
+
+    Parameters
+    ----------
+    d : Tensor, float64 [rows, V_local]
+        Logits minus the global row max (``<= 0``; NaN / ``+inf`` only on bad
+        rows, where they count as 0).
+
+    Returns
+    -------
+    Tensor, int64 [rows]
+        Integer addition is associative, so the total over ranks does not
+        depend on how the vocabulary is split (docs/architecture.md §6).
+    """
+    e = torch.exp(d)
+    e = torch.where(e <= 1.0, e, 0.0)  # NaN / inf only on bad rows
+    return torch.round(e * FIXED_ONE).to(torch.int64).sum(dim=-1)
+
+
+# ------------------------------------------------------------- the protocol over an exchange
 
 def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: SamplingMetadata,
             org_vocab_size: int) -> tuple[SamplerOutput, torch.Tensor]:
@@ -167,8 +464,8 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     """Sample one token per row from vocabulary-sharded logits; same result on every rank.
 
     ``exchange`` provides the two collectives (:mod:`tpguide.sampling.exchange`):
-    :class:`~tpguide.worker.group_exchange.GroupExchange` over a real TP group
-    (:func:`tpguide.worker.group_exchange.sample`) or
+    :class:`~tpguide.worker.runner.GroupExchange` over a real TP group
+    (:func:`tpguide.worker.runner.sample`) or
     :class:`~tpguide.sampling.exchange.ShardsByHand` in one process.  Logits
     shards are float32 (fp16/bf16 upcast exactly) ``[rows, V_local]``, bitmask
     applied, padded ids ``-inf``, not modified; the result is on their device.

@@ -34,7 +34,7 @@ from tpguide.dist import TPGroup
 from tpguide.dist import collectives as C
 from tpguide.speculative.draft_head import DraftHead
 from tpguide.speculative.draft_iteration import DraftPlan, run_draft_iteration
-from tpguide.worker.messages import Message
+from tpguide.worker.runner import Message
 
 if TYPE_CHECKING:  # the driver's scheduler output; no import at run time
     from tpguide.engine.scheduler import ScheduledRequest

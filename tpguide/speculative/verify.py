@@ -17,7 +17,7 @@ is produced by the same computation as without drafts and speculative output
 equals non-speculative output for every request (up to floating-point
 differences between batch shapes).  Stop conditions (stop token, grammar end,
 ``max_tokens``, ``max_model_len``) are checked token by token when the
-driver appends the verified tokens (:mod:`tpguide.engine.step_finisher`), so
+driver appends the verified tokens (:class:`tpguide.engine.driver.StepFinisher`), so
 the accepted window is truncated at the first one: a stop token, or the
 first token after which the grammar matcher is terminated (also with
 ``ignore_eos``), exactly as without speculation.
@@ -136,7 +136,7 @@ class Speculator:
         Verification
             ``a`` and the ``1 + a`` candidate output tokens ``d_1 .. d_a, y_a``
             with their rows; the driver appends them token by token and stops
-            at the first stop condition (:mod:`tpguide.engine.step_finisher`).
+            at the first stop condition (:class:`tpguide.engine.driver.StepFinisher`).
         """
         k = len(drafts)
         targets = token_ids[first_row : first_row + k + 1]

@@ -1,7 +1,10 @@
 """tpguide's on-disk cache root: ``$TPGUIDE_CACHE`` if set, else ``~/.cache/tpguide``.
 
-Holds the embedded model converted to safetensors, the compiled CPU kernel
-and the test tokenizer; every user of the cache asks here.
+Holds the embedded model converted to safetensors (and converted GGUF
+files), the compiled CPU kernel, the draft-head lens and the test tokenizer;
+every user of the cache asks here.  It lives in ``tpguide/model`` because
+the model and kernel caches are its main users; importing it pulls in
+nothing else (``tpguide/model/__init__.py`` imports no module).
 """
 
 from __future__ import annotations
