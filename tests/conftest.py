@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch gets its share of the cores (as ``launch/generate.py`` gives each rank).
+
+    ``-n auto`` starts one worker per core; with torch's default (every core)
+    per worker the intra-op thread pools oversubscribe the machine, and an
+    OpenMP pool whose threads wait for a busy core makes small GEMMs several
+    times slower.  Spawned ranks already run one thread each
+    (:func:`tpguide.dist.spawn.run_on_ranks`); ``test_tp_invariance`` sets 1
+    and 2 threads itself.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session")
