@@ -24,6 +24,25 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+SHARED_SCOPES = ("class", "module", "package")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Tests that share a class-, module- or package-scoped fixture go to one xdist worker (``--dist loadgroup``).
+
+    Plain ``--dist load`` hands tests out one by one, alternately, so both
+    workers would build such a fixture (an architecture job, a served model,
+    three engine runs).  Session fixtures are built once per worker whatever
+    the scheduling; other tests are still handed out one by one.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in SHARED_SCOPES for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The embedded SmolLM2-135M-Instruct, converted once (file-locked across xdist workers)."""
