@@ -2,7 +2,45 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch gets its share of the cores (as ``launch/generate.py`` gives each rank).
+
+    ``-n auto`` starts one worker per core; with torch's default (every core)
+    per worker the intra-op thread pools oversubscribe the machine, and an
+    OpenMP pool whose threads wait for a busy core makes small GEMMs several
+    times slower.  Spawned ranks already run one thread each
+    (:func:`tpguide.dist.spawn.run_on_ranks`); ``test_tp_invariance`` sets 1
+    and 2 threads itself.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+SHARED_SCOPES = ("class", "module", "package")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Tests that share a class-, module- or package-scoped fixture go to one xdist worker (``--dist loadgroup``).
+
+    Plain ``--dist load`` hands tests out one by one, alternately, so both
+    workers would build such a fixture (an architecture job, a served model,
+    three engine runs).  Session fixtures are built once per worker whatever
+    the scheduling; other tests are still handed out one by one.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in SHARED_SCOPES for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """The fixed-tiling Triton matmul (TP-invariant path on CUDA) against a torch oracle.
 
 As in ``test_kernels_triton.py``, on CPU the kernel runs under
-``TRITON_INTERPRET=1`` in a child process; with a GPU the cases also run on
-the compiled kernel.  Checks: values against an fp64 torch matmul, and the
-invariance the model relies on, bit for bit: a column shard or a batch slice
-gives exactly the matching part of the full result.
+``TRITON_INTERPRET=1`` in a child process (``tests/triton_interpreted.py``);
+with a GPU the cases also run on the compiled kernel.  Checks: values
+against an fp64 torch matmul, and the invariance the model relies on, bit
+for bit: a column shard or a batch slice gives exactly the matching part of
+the full result.
 
 Run the interpreted cases directly with
 ``TRITON_INTERPRET=1 python tests/test_kernels_matmul_fixed_tiling.py``.
@@ -12,8 +13,6 @@ Run the interpreted cases directly with
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,9 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from triton_interpreted import check_in_child, run_cases  # noqa: E402
+
 pytest.importorskip("triton")
 
 
@@ -86,12 +88,7 @@ CASES = {
 
 
 def test_matmul_fixed_tiling_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=HERE.parent, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert f"passed {len(CASES)} cases" in proc.stdout, proc.stdout[-4000:]
+    check_in_child(__file__, list(CASES))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -100,14 +97,5 @@ def test_matmul_fixed_tiling_cuda(name):
     CASES[name]("cuda")
 
 
-def _run_interpreted() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1")
-    for name, case in CASES.items():
-        case("cpu")
-        print(f"ok {name}", flush=True)
-    print(f"passed {len(CASES)} cases")
-
-
 if __name__ == "__main__":
-    _run_interpreted()
+    run_cases(CASES)

@@ -1,6 +1,7 @@
 """The Triton backend against the reference, bit for bit.
 
-On CPU the kernel runs under ``TRITON_INTERPRET=1`` in a child process (Triton
+On CPU the kernel runs under ``TRITON_INTERPRET=1`` in a child process
+(``tests/triton_interpreted.py``; Triton
 reads the variable when the kernel is decorated, so it cannot be switched on
 inside a pytest worker that may already hold the compiled kernel, and it must
 not leak into CUDA tests).  With a GPU the same cases also run in process on
@@ -12,8 +13,6 @@ Run the interpreted cases directly with
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from test_kernels_cases import (  # noqa: E402
     check_shards,
     make_bitmask,
 )
+from triton_interpreted import check_in_child, run_cases  # noqa: E402
 
 pytest.importorskip("triton")
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -78,12 +78,7 @@ CASES = {
 
 
 def test_triton_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=HERE.parent, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert f"passed {len(CASES)} cases" in proc.stdout, proc.stdout[-4000:]
+    check_in_child(__file__, list(CASES))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -109,14 +104,5 @@ def test_triton_cuda_64bit_offsets():
     assert int(torch.isneginf(logits).sum()) == 2
 
 
-def _run_interpreted() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1")
-    for name, case in CASES.items():
-        case("cpu")
-        print(f"ok {name}", flush=True)
-    print(f"passed {len(CASES)} cases")
-
-
 if __name__ == "__main__":
-    _run_interpreted()
+    run_cases(CASES)
