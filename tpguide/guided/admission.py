@@ -170,7 +170,10 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
     for pointer, keyword, value, node in schema_keywords(schema):
         key = keyword_key(keyword, value, node, schema)
         if key in unenforced:
-            found.append((pointer, f"{key!r} is not enforced by {backend_name}"))
+            why = f"{key!r} is not enforced by {backend_name}"
+            if key == "oneOf":  # a oneOf is enforced where its branches are provably disjoint
+                why += " (its branches are not proved disjoint by type, const/enum or a required property)"
+            found.append((pointer, why))
         elif keyword == "format" and value not in FORMAT_EXAMPLES:
             found.append((pointer, f"format {value!r} is not enforced by any backend"))
         elif keyword in UNMEASURED_KEYWORDS:
