@@ -4,8 +4,9 @@ import itertools
 
 import pytest
 
-from tpguide.guided.admission import unenforced_keywords
+from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
 from tpguide.guided.disjoint import one_of_branches_disjoint
+from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import validator_for_schema
 
 _INT, _STR = {"type": "integer"}, {"type": "string"}
@@ -80,9 +81,9 @@ def test_admission_allows_a_disjoint_one_of_and_refuses_the_rest():
         nested = {"$defs": ROOT["$defs"], "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]}
         assert unenforced_keywords(nested, backend) == [], backend  # $ref resolved against the whole schema
         overlapping = {"oneOf": [_INT, {"type": "number"}]}
-        assert unenforced_keywords(overlapping, backend) == [
-            ("/oneOf", f"'oneOf' is not enforced by {backend} (its branches are not proved disjoint by type, "
-                       "const/enum or a required property)")]
+        assert unenforced_keywords(overlapping, backend) == [("/oneOf", f"'oneOf' is not enforced by {backend}")]
+        with pytest.raises(GuideRefused, match="a oneOf is enforced only where its branches are proved disjoint"):
+            check_enforceable(StructuredOutputsParams(json=overlapping), backend)
 
 
 def test_pairs_are_all_checked():

@@ -170,10 +170,7 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
     for pointer, keyword, value, node in schema_keywords(schema):
         key = keyword_key(keyword, value, node, schema)
         if key in unenforced:
-            why = f"{key!r} is not enforced by {backend_name}"
-            if key == "oneOf":  # a oneOf is enforced where its branches are provably disjoint
-                why += " (its branches are not proved disjoint by type, const/enum or a required property)"
-            found.append((pointer, why))
+            found.append((pointer, f"{key!r} is not enforced by {backend_name}"))
         elif keyword == "format" and value not in FORMAT_EXAMPLES:
             found.append((pointer, f"format {value!r} is not enforced by any backend"))
         elif keyword in UNMEASURED_KEYWORDS:
@@ -206,6 +203,9 @@ def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> Non
     if found:
         shown = "; ".join(f"{why} (at {pointer})" for pointer, why in found[:8])
         more = f"; and {len(found) - 8} more" if len(found) > 8 else ""
+        if any(why.startswith("'oneOf' ") for _, why in found):
+            more += ("; a oneOf is enforced only where its branches are proved disjoint (by type, const/enum "
+                     "or a required property)")
         raise GuideRefused(f"schema refused: {shown}{more}; set \"strict\": false in structured_output "
                            f"to run it best effort (the output is still validated)")
 
