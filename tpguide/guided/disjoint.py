@@ -20,10 +20,10 @@ with a distinct ``const`` per branch) and the "one type per branch" pattern.
 from __future__ import annotations
 
 import json
-from typing import Any, FrozenSet, Optional
+from typing import AbstractSet, Any, FrozenSet, Optional
 
-#: JSON Schema's primitive types; "integer" instances are also "number" instances.
-_ALL_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
+from tpguide.guided.schema_check import schema_types
+
 _MAX_DEPTH = 8
 
 
@@ -68,7 +68,7 @@ def _disjoint(a: Any, b: Any, root: Any, depth: int) -> bool:
         return True  # a branch that accepts nothing overlaps nothing
     if not isinstance(a, dict) or not isinstance(b, dict) or depth >= _MAX_DEPTH:
         return False
-    types_a, types_b = _types(a), _types(b)
+    types_a, types_b = schema_types(a), schema_types(b)
     if not _types_overlap(types_a, types_b):
         return True
     values_a, values_b = _values(a), _values(b)
@@ -87,39 +87,11 @@ def _disjoint(a: Any, b: Any, root: Any, depth: int) -> bool:
     return False
 
 
-def _types(schema: dict) -> Optional[FrozenSet[str]]:
-    """The types ``schema`` can hold (from ``type``, ``const`` or ``enum``), None when unconstrained."""
-    found: Optional[FrozenSet[str]] = None
-    t = schema.get("type")
-    if isinstance(t, str):
-        found = frozenset({t}) & _ALL_TYPES
-    elif isinstance(t, list) and all(isinstance(x, str) for x in t):
-        found = frozenset(t) & _ALL_TYPES
-    values = _raw_values(schema)
-    if values is not None:
-        of_values = frozenset(_json_type(v) for v in values)
-        found = of_values if found is None else frozenset(x for x in of_values if _types_overlap(found, {x}))
-    return found
-
-
-def _types_overlap(a: Optional[FrozenSet[str]], b: Optional[FrozenSet[str]]) -> bool:
+def _types_overlap(a: Optional[AbstractSet[str]], b: Optional[AbstractSet[str]]) -> bool:
+    """Some value has a type of ``a`` and one of ``b`` (an "integer" is also a "number"; None: any type)."""
     if a is None or b is None:
         return True
     return bool(a & b) or ("integer" in a and "number" in b) or ("number" in a and "integer" in b)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
 
 
 def _raw_values(schema: dict) -> Optional[list]:

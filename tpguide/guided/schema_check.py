@@ -74,8 +74,13 @@ _BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "max
            ("minProperties", "maxProperties"))
 
 
-def _types_of(schema: Dict[str, Any]) -> Optional[set]:
-    """The JSON types ``schema`` allows by its ``type``/``const``/``enum`` (None: unrestricted)."""
+def schema_types(schema: Dict[str, Any]) -> Optional[set]:
+    """The JSON types ``schema`` allows by its ``type``/``const``/``enum`` (None: unrestricted).
+
+    A superset of the types of its instances: other keywords can only narrow
+    it.  ``"integer"`` values also count as ``"number"`` ones when narrowing.
+    Also used by :mod:`tpguide.guided.disjoint`.
+    """
     types = schema.get("type")
     allowed = None
     if isinstance(types, str):
@@ -128,13 +133,13 @@ def local_contradiction(schema: Any) -> Optional[str]:
     for low, high in _BOUNDS:
         if _number(schema.get(low)) and _number(schema.get(high)) and schema[low] > schema[high]:
             return f"{low}={schema[low]} > {high}={schema[high]}"
-    types = _types_of(schema)
+    types = schema_types(schema)
     if types is not None and not types:
         return f"type {schema.get('type')!r} admits none of the const/enum values"
     if isinstance(schema.get("allOf"), list):
         allowed = types
         for member in schema["allOf"]:
-            member_types = _types_of(member) if isinstance(member, dict) else None
+            member_types = schema_types(member) if isinstance(member, dict) else None
             if member_types is not None:
                 allowed = member_types if allowed is None else _intersect(allowed, member_types)
         if allowed is not None and not allowed:
