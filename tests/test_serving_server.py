@@ -344,7 +344,6 @@ def test_stop_string_streamed(client):
 
 
 def test_sigterm_stops_the_server_with_status_0(server):
-    start = time.monotonic()
     assert server.stop(signal.SIGTERM, timeout_s=30) == 0, server.log_text()[-3000:]
-    assert time.monotonic() - start < 30 and server.orphans_left is False
+    assert server.stop_timed_out is False and server.orphans_left is False
     assert "[rank 0] stopped (signal 15); exit 0" in server.log_text()

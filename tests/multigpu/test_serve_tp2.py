@@ -104,10 +104,8 @@ def test_sigterm_ends_every_rank_with_status_0(server):
     Each rank returns 0 (it says so last); torchrun itself then re-raises the
     signal it got, its own design, so its status is 1.  No process is left.
     """
-    start = time.monotonic()
     server.stop(signal.SIGTERM, timeout_s=60)
     log = server.log_text()
     assert "[rank 0] stopped (signal 15); exit 0" in log and "[rank 1] stopped; exit 0" in log, log[-3000:]
     assert "ChildFailedError" not in log and "no stop plan" not in log, log[-3000:]
-    assert server.orphans_left is False
-    assert time.monotonic() - start < 60
+    assert server.stop_timed_out is False and server.orphans_left is False

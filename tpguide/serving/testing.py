@@ -83,6 +83,8 @@ class ServerProcess:
         self.proc: Optional[subprocess.Popen] = None
         #: after :meth:`stop`: whether processes of the server's group outlived it (then SIGKILLed)
         self.orphans_left: Optional[bool] = None
+        #: True when :meth:`stop` had to SIGKILL a server that outlived its timeout (a hang)
+        self.stop_timed_out = False
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tpguide-serve-", suffix=".log", delete=False)
 
     def command(self) -> List[str]:
@@ -116,7 +118,10 @@ class ServerProcess:
         raise TimeoutError(f"no healthy server after {self.startup_timeout_s:g} s:\n{self.log_text()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> Optional[int]:
-        """Send ``sig`` to the server's pid, wait; SIGKILL its process group if it is still there."""
+        """Send ``sig`` to the server's pid, wait; SIGKILL its process group if it is still there.
+
+        Sets :attr:`stop_timed_out` when the server had not exited after ``timeout_s``.
+        """
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -124,7 +129,7 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                pass
+                self.stop_timed_out = True
         try:
             os.killpg(self.proc.pid, 0)  # anyone left in the group this object created?
             self.orphans_left = True
