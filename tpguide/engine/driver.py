@@ -201,7 +201,7 @@ class PlannedStep:
         raise IndexError(f"sample row {row} out of range [0, {self.first_rows[-1]})")
 
 
-def plan_step(number: int, scheduled: Sequence[ScheduledRequest]) -> PlannedStep:
+def planned_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> PlannedStep:
     """The :class:`PlannedStep` of ``scheduled`` (their drafts already filled in).
 
     A request is guided this step when its sample is used and it has a
@@ -636,7 +636,7 @@ class Driver:
         if draft is not None:
             draft(self.guided, scheduled)
         self.num_steps += 1
-        return plan_step(self.num_steps, scheduled)
+        return planned_step_of(self.num_steps, scheduled)
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
