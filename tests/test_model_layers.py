@@ -215,13 +215,12 @@ def test_invariant_row_parallel_unit_partials_are_the_tp1_units(tp_size):
                                   reduction_unit=d)
         layer.weight.weight_loader(layer.weight, w)
         n = layer.input_size_per_partition
-        weight_units = layer.weight.t().reshape(layer.num_local_units, d, out)
-        return layer, unit_partials(x[:, r * n:(r + 1) * n], weight_units)
+        return layer, unit_partials(x[:, r * n:(r + 1) * n], layer.weight, layer.num_local_units, layer)
 
     layer, ref = partials(0) if tp_size == 1 else (None, torch.cat([partials(r)[1] for r in range(tp_size)]))
     full = RowParallelLinear(heads * d, out, fake_group(0, 1), reduction_unit=d)
     full.weight.weight_loader(full.weight, w)
-    want = unit_partials(x[:, :heads * d], full.weight.t().reshape(heads, d, out))
+    want = unit_partials(x[:, :heads * d], full.weight, heads, full)
     assert torch.equal(ref[:heads], want)
     assert not ref[heads:].any()
     torch.testing.assert_close(full(x[:, :heads * d]), x[:, :heads * d] @ w.T, atol=1e-5, rtol=1e-5)

@@ -7,11 +7,7 @@ reading the logits, and a vectorised select otherwise.  It is compiled on
 first use with the system C compiler into a cache and called through
 ``ctypes`` (which releases the GIL during the call).
 
-Cache: ``$TPGUIDE_CACHE/kernels`` (else ``~/.cache/tpguide/kernels``); the
-file name carries a hash of the source, the compiler, its flags and the
-machine, so an edit or another toolchain never loads a stale library.  The
-library is written to a temporary name and renamed into place, so concurrent
-processes (pytest-xdist workers, TP ranks) may compile at once.  Portable
+Compiled and cached by :mod:`tpguide.kernels.c_library`.  Portable
 flags only (no ``-march=native``): a cache on a shared home directory must
 load on every machine of the same architecture.
 
@@ -24,28 +20,21 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shlex
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from tpguide.kernels.c_library import CSRC, load_library
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "apply_token_bitmask_cpu.c"
+SOURCE = CSRC / "apply_token_bitmask_cpu.c"
 CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-fno-strict-aliasing")
 SYMBOL = "tpguide_apply_token_bitmask"
 #: dtype codes of the C kernel.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-COMPILE_TIMEOUT_S = 120
 
 _LOCK = threading.Lock()
 #: ``None`` before the first load, else ``(kernel or None, error or None)``.
@@ -53,60 +42,6 @@ _STATE: tuple | None = None
 
 #: Entries of the int64 parameter array the C entry point takes (its ``enum param``).
 NUM_PARAMS = 14
-
-def cache_dir() -> Path:
-    """``$TPGUIDE_CACHE/kernels`` if the variable is set, else ``~/.cache/tpguide/kernels``."""
-    from tpguide.model.cache import cache_root
-
-    return cache_root() / "kernels"
-
-
-def compiler() -> list[str]:
-    """The C compiler command: ``$CC``, else Python's configured ``CC``, else ``cc``."""
-    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
-        argv = shlex.split(candidate or "")
-        if argv and shutil.which(argv[0]):
-            return [shutil.which(argv[0]), *argv[1:]]
-    raise RuntimeError("no C compiler found (tried $CC, sysconfig CC and cc)")
-
-
-def library_path(cc: list[str]) -> Path:
-    """Cache file for this source, compiler, flags and machine."""
-    key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(repr((cc, CFLAGS, platform.machine(), platform.system())).encode())
-    return cache_dir() / f"apply_token_bitmask_cpu-{key.hexdigest()[:16]}.so"
-
-
-def build_library() -> Path:
-    """Compile the kernel into the cache unless it is there; return the library's path.
-
-    Raises
-    ------
-    RuntimeError
-        No compiler, or the compiler failed (its output is in the message).
-    OSError
-        The cache directory cannot be written.
-    """
-    cc = compiler()
-    path = library_path(cc)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([*cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cc)} exited with {proc.returncode}: "
-                               f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)  # atomic: a reader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def load_cpu_kernel():
@@ -116,7 +51,7 @@ def load_cpu_kernel():
         with _LOCK:
             if _STATE is None:
                 try:
-                    library = ctypes.CDLL(str(build_library()))
+                    library = load_library(SOURCE, CFLAGS)
                     num_params = library[SYMBOL + "_num_params"]()
                     if num_params != NUM_PARAMS:
                         raise RuntimeError(f"the C kernel takes {num_params} parameters, expected {NUM_PARAMS}")

@@ -21,6 +21,13 @@ sees keys ``p - sliding_window < j <= p`` (transformers'
 the old ones.  Attention-logit soft-capping (Gemma 2) needs the scores, so
 those layers run the plain ``softmax(cap * tanh(q k^T * scale / cap) + mask) v``
 instead of SDPA.
+
+With ``fixed_order`` (set by a TP-invariant model) attention on CPU runs the
+fixed-order C kernel instead
+(:func:`tpguide.kernels.fixed_order_cpu.attention_fixed_order`): each query
+token reads only its own sequence's cached keys, in key order, so its output
+does not depend on the other sequences of the batch, on the padding to
+``max_seq_len``, on how the prompt was chunked, or on the thread count.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tpguide.kernels.fixed_order_cpu import attention_fixed_order
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,9 @@ class Attention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
 
+    #: Set by a TP-invariant model: on CPU, the fixed-order kernel (module docstring).
+    fixed_order: bool = False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attend the new tokens; writes their k/v into the cache (in place).
 
@@ -210,6 +222,10 @@ class Attention(nn.Module):
         slots, pos = meta.seq_slots[seq], meta.token_positions  # [T], [T]
         self.k_cache[slots, pos] = k
         self.v_cache[slots, pos] = v
+        if self.fixed_order and not q.is_cuda:
+            out = attention_fixed_order(q, self.k_cache, self.v_cache, slots, pos, self.scale,
+                                        self.sliding_window, self.logit_softcap)  # fp32 [T, H, D]
+            return out.to(q.dtype).flatten(1)
 
         num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
         if max_q == 1:  # decode only: one token per sequence, already in sequence order

@@ -16,22 +16,23 @@ fixed **reduction units** instead, independent of ``tp_size``::
   that the shard boundary of every size in :data:`INVARIANT_TP_SIZES` is a
   block boundary.
 
-Each rank computes its units' partials with one ``bmm`` (fp32 or the model
-dtype's GEMM, which accumulates in fp32 internally), casts them to fp32,
-all-gathers them (``[tp_size, U_local, T, O]``: the same units in the same
-order on every rank) and sums the ``U`` real units with one ``torch.sum``
-over the unit dimension.  That tensor has the same shape at every
-``tp_size`` (and at tp 1, with no communication), so the additions happen in
-the same order everywhere; measured on CPU, neither the per-unit ``bmm``
-nor the ``sum`` depends on the thread count (``tests/multigpu/test_tp_invariance.py``).
-The cost is ``U`` times the bytes of a plain all-reduce, still one collective.
+Each rank computes its units' fp32 partials, all-gathers them
+(``[tp_size, U_local, T, O]``: the same units in the same order on every
+rank) and adds the ``U`` real units in unit order.  At tp 1 the kernel adds
+the units as it goes, with the same additions.  The cost is ``U`` times the
+bytes of a plain all-reduce, still one collective.
 
-On CUDA, cuBLAS picks kernels (tiles, split-K) per shape, so the matmuls of
-the invariant path run through a fixed-tiling Triton kernel
-(:mod:`tpguide.kernels.matmul_fixed_tiling_triton`): :func:`unit_partials`
-and :func:`invariant_linear` (column-parallel layers and the LM head, whose
-shard width changes with ``tp_size``).  On CPU, torch's GEMMs were measured
-to give the same columns at every shard width, so they are used as they are.
+Every matmul of the invariant path, the per-unit partials
+(:func:`unit_partials`) and the column-parallel layers and LM head
+(:func:`invariant_linear`, whose shard width changes with ``tp_size``), runs
+a kernel whose order of additions is fixed by the code, not by a library's
+blocking heuristics, so no element depends on the other rows, the columns
+per call or the thread count (docs/architecture.md §10, "Determinism"):
+
+* CPU: the fixed-order C kernels (:mod:`tpguide.kernels.fixed_order_cpu`)
+  on weights packed once per layer (:func:`packed_weight`);
+* CUDA: the fixed-tiling Triton kernel
+  (:mod:`tpguide.kernels.matmul_fixed_tiling_triton`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ from typing import Iterable
 import torch
 
 from tpguide.dist import TPGroup, collectives
+from tpguide.kernels.fixed_order_cpu import (
+    PackedWeight,
+    linear_fixed_order,
+    pack_weight,
+    sum_units_fixed_order,
+)
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -68,42 +75,87 @@ def reduction_block_size(dim: int, tp_size: int, tp_sizes: Iterable[int] = INVAR
     return math.gcd(*(dim // t for t in sizes))
 
 
-def unit_partials(x: torch.Tensor, weight_units: torch.Tensor) -> torch.Tensor:
+def packed_weight(owner: object, weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
+    """``weight`` packed for the fixed-order CPU linear, cached on ``owner`` (a layer).
+
+    Packed on first use and again if ``weight`` was replaced or updated in
+    place through the parameter (a new ``data_ptr`` or ``_version``); a
+    loader that writes through ``.data`` calls :func:`drop_packed_weights`.
+    """
+    cached = getattr(owner, "_packed_weight", None)
+    if cached is None or cached.source_version != (weight.data_ptr(), weight._version) \
+            or cached.num_units != num_units:
+        cached = pack_weight(weight.detach(), num_units)
+        owner._packed_weight = cached
+    return cached
+
+
+def drop_packed_weights(module: torch.nn.Module) -> None:
+    """Forget the packed weights of ``module`` and its children (after their weights were loaded)."""
+    for m in module.modules():
+        if getattr(m, "_packed_weight", None) is not None:
+            m._packed_weight = None
+
+
+def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object) -> torch.Tensor:
     """Per-unit products of this rank's columns.
 
     Parameters
     ----------
     x : torch.Tensor
         ``[T, U_local * B]`` model dtype (tokens, this rank's input columns).
-    weight_units : torch.Tensor
-        ``[U_local, B, O]`` model dtype, contiguous.
+    weight : torch.Tensor
+        ``[O, U_local * B]`` model dtype (any strides).
+    num_units : int
+        ``U_local``.
+    owner : object
+        The layer that caches the packed weight (CPU).
 
     Returns
     -------
     torch.Tensor
-        fp32 ``[U_local, T, O]``: ``out[u] = x[:, u*B:(u+1)*B] @ weight_units[u]``.
+        fp32 ``[U_local, T, O]``: ``out[u] = x[:, u*B:(u+1)*B] @ weight[:, u*B:(u+1)*B].T``.
     """
-    num_units, block, _ = weight_units.shape
-    xu = x.reshape(x.shape[0], num_units, block).transpose(0, 1)  # [U_local, T, B]
     if x.is_cuda:
         from tpguide.kernels.matmul_fixed_tiling_triton import bmm_fixed_tiling
 
+        block = x.shape[1] // num_units
+        xu = x.reshape(x.shape[0], num_units, block).transpose(0, 1)  # [U_local, T, B]
+        weight_units = weight.t().reshape(num_units, block, weight.shape[0])  # [U_local, B, O]
         return bmm_fixed_tiling(xu, weight_units)  # fp32 accumulation, one order for every shape
-    return torch.bmm(xu, weight_units).float()  # [U_local, T, O]
+    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=False)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` whose columns do not depend on how many rows ``weight`` has.
+def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object) -> torch.Tensor:
+    """fp32 ``[T, O]``: the ``num_units`` units' products added in unit order, without communication.
 
-    ``x [T, K]``, ``weight [N, K]`` -> ``[T, N]`` in ``x``'s dtype.  CUDA: the
-    fixed-tiling Triton kernel (fp32 accumulation, rounded once); CPU:
-    ``F.linear``.
+    The additions of :func:`sum_units` over :func:`unit_partials` (tp 1, no padded units).
+    """
+    if x.is_cuda:
+        return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner))
+    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=True)
+
+
+def sum_units_fixed_order_cuda(partials: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[U, T, O] -> [T, O]`` on the tensor's device: ``((p0 + p1) + p2) + ...``."""
+    total = partials[0].clone()
+    for u in range(1, partials.shape[0]):
+        total += partials[u]
+    return total
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object) -> torch.Tensor:
+    """``F.linear(x, weight)`` whose columns do not depend on how many rows ``weight`` has, nor on ``x``'s other rows.
+
+    ``x [T, K]``, ``weight [N, K]`` -> fp32 ``[T, N]`` (one rounding from
+    the fp32 accumulation).  CUDA: the fixed-tiling Triton kernel; CPU: the
+    fixed-order C kernel on the weight packed and cached on ``owner``.
     """
     if x.is_cuda:
         from tpguide.kernels.matmul_fixed_tiling_triton import linear_fixed_tiling
 
-        return linear_fixed_tiling(x, weight).to(x.dtype)
-    return torch.nn.functional.linear(x, weight)
+        return linear_fixed_tiling(x, weight)
+    return linear_fixed_order(x, packed_weight(owner, weight))
 
 
 def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> torch.Tensor:
@@ -125,4 +177,7 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> to
         fp32 ``[T, O]``, identical on every rank and at every tp size.
     """
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
-    return gathered[:num_real_units].sum(0)  # [T, O]
+    real = gathered[:num_real_units]
+    if real.is_cuda:
+        return sum_units_fixed_order_cuda(real)
+    return sum_units_fixed_order(real)  # [T, O], unit order

@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpguide.dist import TPGroup
+from tpguide.kernels.fixed_order_cpu import unary_fixed_order
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import reduction_block_size
 from tpguide.model.norm import RMSNorm
 from tpguide.model.parallel_linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -88,6 +88,8 @@ class LlamaAttention(nn.Module):
 
 #: The gate activation of the gated MLP, by HF ``hidden_act`` name.
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+#: The same activations as :func:`~tpguide.kernels.fixed_order_cpu.unary_fixed_order` op names.
+FIXED_ORDER_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class LlamaMLP(nn.Module):
@@ -102,10 +104,17 @@ class LlamaMLP(nn.Module):
                                            reduction_unit=(reduction_block_size(i, group.tp_size)
                                                            if config.tp_invariant else None))
         self.act_fn = ACTIVATIONS[config.hidden_act]
+        self.act_name = FIXED_ORDER_ACTIVATIONS[config.hidden_act]
+
+    #: Set by a TP-invariant model: on CPU the activation by scalar libm calls
+    #: (:func:`~tpguide.kernels.fixed_order_cpu.unary_fixed_order`), the same for every element.
+    fixed_order: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/T] each
+        if self.fixed_order and not gate.is_cuda:
+            return self.down_proj(unary_fixed_order(gate, self.act_name).to(gate.dtype) * up)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -164,10 +173,12 @@ class LlamaForCausalLM(nn.Module):
     tokenizer_vocab_size : int, optional
         Ids ``>= tokenizer_vocab_size`` get ``-inf`` logits too.
     tp_invariant : bool
-        Row-parallel layers reduce over fixed units (heads, blocks of the
-        intermediate dim), so logits are bit-identical at tp 1, 2, 3, 4 in
-        every dtype (:mod:`tpguide.model.invariant_reduce`); False: plain
-        all-reduce (identical only up to rounding).
+        Every reduction in a fixed order: row-parallel layers over fixed units
+        (heads, blocks of the intermediate dim), matmuls, attention and norms
+        through fixed-order kernels, so a row's logits are bit-identical at tp
+        1, 2, 3, 4, at any thread count and beside any other rows
+        (:mod:`tpguide.model.invariant_reduce`); False: the plain library
+        kernels and all-reduce (identical only up to rounding).
 
     Attributes
     ----------
@@ -197,10 +208,10 @@ class LlamaForCausalLM(nn.Module):
                                           logit_softcap=config.final_logit_softcapping)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if tp_invariant:  # column-parallel matmuls with a fixed tiling on CUDA
+        if tp_invariant:  # every reduction in a fixed order (docs/architecture.md §10, "Determinism")
             for module in self.modules():
-                if isinstance(module, (ColumnParallelLinear, ParallelLMHead)):
-                    module.fixed_tiling = True
+                if hasattr(type(module), "fixed_order"):
+                    module.fixed_order = True
         self.vocab_shard: VocabShard = self.lm_head.vocab_shard
 
     @property

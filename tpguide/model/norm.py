@@ -5,13 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpguide.kernels.fixed_order_cpu import mean_square_fixed_order
 from tpguide.model.weight_slice import default_weight_loader
 
 
-def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 ``x / sqrt(mean(x^2) + eps)`` over the last dim."""
+def _normalize(x: torch.Tensor, eps: float, fixed_order: bool = False) -> torch.Tensor:
+    """fp32 ``x / sqrt(mean(x^2) + eps)`` over the last dim.
+
+    ``fixed_order`` (CPU): the mean of squares by the fixed-order kernel
+    (:func:`tpguide.kernels.fixed_order_cpu.mean_square_fixed_order`), so a
+    row's statistics do not depend on the other rows or the threads.
+    """
     h = x.float()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if fixed_order and not h.is_cuda:
+        mean_square = mean_square_fixed_order(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], 1)
+    else:
+        mean_square = h.pow(2).mean(-1, keepdim=True)
+    return h * torch.rsqrt(mean_square + eps)
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +36,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
+    #: Set by a TP-invariant model (see :func:`_normalize`).
+    fixed_order: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * _normalize(x, self.eps).to(x.dtype)
+        return self.weight * _normalize(x, self.eps, self.fixed_order).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -42,5 +55,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
+    #: Set by a TP-invariant model (see :func:`_normalize`).
+    fixed_order: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return (_normalize(x, self.eps, self.fixed_order) * (1.0 + self.weight.float())).to(x.dtype)

@@ -28,7 +28,7 @@ from torch import nn
 
 from tpguide.dist import TPGroup, collectives
 from tpguide.model.config import pad_heads
-from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials
+from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials, units_sum_local
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
 
@@ -77,15 +77,15 @@ class ColumnParallelLinear(nn.Module):
         check_shape(loaded, (self.output_size, *param.shape[1:]))
         copy_clipped_(param.data, loaded, 0, self.group.tp_rank * self.output_size_per_partition)
 
-    #: Set by a TP-invariant model: on CUDA the matmul runs with a fixed tiling
+    #: Set by a TP-invariant model: the matmul runs in a fixed order
     #: (:func:`~tpguide.model.invariant_reduce.invariant_linear`), so a column's
-    #: value does not depend on the shard width.
-    fixed_tiling: bool = False
+    #: value does not depend on the shard width, the other rows or the threads.
+    fixed_order: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size] -> [T, output_size_per_partition]``."""
-        if self.fixed_tiling and x.is_cuda:
-            y = invariant_linear(x, self.weight)
+        if self.fixed_order:
+            y = invariant_linear(x, self.weight, self).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -203,7 +203,8 @@ class RowParallelLinear(nn.Module):
     weight : ``[output_size, input_size_per_partition]``
         With ``reduction_unit`` stored transposed (strides ``(1, output_size)``),
         so ``weight.t().view(U_local, reduction_unit, output_size)`` is the
-        contiguous per-unit layout the ``bmm`` reads.
+        contiguous per-unit layout the CUDA ``bmm`` reads (on CPU the
+        fixed-order kernel reads a packed copy).
     bias : ``[output_size]`` or None
 
     Raises
@@ -248,9 +249,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``)."""
         if self.reduction_unit is not None:
-            weight_units = self.weight.t().reshape(self.num_local_units, self.reduction_unit, self.output_size)
-            partials = unit_partials(x, weight_units)  # fp32 [U_local, T, O]
-            y = sum_units(partials, self.num_real_units, self.group).to(x.dtype)  # the one communication point
+            if self.group.tp_size == 1 and self.num_real_units == self.num_local_units:
+                y = units_sum_local(x, self.weight, self.num_local_units, self)  # fp32 [T, O], no communication
+            else:
+                partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
+                y = sum_units(partials, self.num_real_units, self.group)  # the one communication point
+            y = y.to(x.dtype)
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:

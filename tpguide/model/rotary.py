@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tpguide.kernels.fixed_order_cpu import unary_fixed_order
 from tpguide.model.config import ModelConfig
 
 
@@ -77,8 +78,12 @@ class RotaryEmbedding(nn.Module):
         if positions is not self._cached_positions or self._cached_cos_sin is None:
             freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dr/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dr]
-            self._cached_cos_sin = ((emb.cos() * self.attention_scaling)[:, None, :],  # [T, 1, Dr]
-                                    (emb.sin() * self.attention_scaling)[:, None, :])
+            if emb.is_cuda:
+                cos, sin = emb.cos(), emb.sin()
+            else:  # scalar libm per element: a position's table row does not depend on the batch
+                cos, sin = unary_fixed_order(emb, "cos"), unary_fixed_order(emb, "sin")
+            self._cached_cos_sin = ((cos * self.attention_scaling)[:, None, :],  # [T, 1, Dr]
+                                    (sin * self.attention_scaling)[:, None, :])
             self._cached_positions = positions
         cos, sin = (t.to(q.dtype) for t in self._cached_cos_sin)
         r = self.rotary_dim

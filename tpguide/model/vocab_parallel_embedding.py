@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpguide.dist import TPGroup, collectives
+from tpguide.kernels.fixed_order_cpu import unary_fixed_order
+from tpguide.model.invariant_reduce import invariant_linear
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_
 
@@ -132,8 +134,8 @@ class ParallelLMHead(VocabParallelEmbedding):
                    self.valid_vocab_size - self.vocab_shard.vocab_start_index)
         )
 
-    #: Set by a TP-invariant model: fixed-tiling matmul on CUDA (see ColumnParallelLinear).
-    fixed_tiling: bool = False
+    #: Set by a TP-invariant model: fixed-order matmul (see ColumnParallelLinear).
+    fixed_order: bool = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead has no forward; call compute_logits")
@@ -153,13 +155,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             global token id ``vocab_start_index + j``); ids ``>= valid_vocab_size``
             are ``-inf``.  A new tensor.
         """
-        if self.fixed_tiling and hidden_states.is_cuda:  # columns independent of the shard width
-            from tpguide.model.invariant_reduce import invariant_linear
-
-            logits = invariant_linear(hidden_states, self.weight).float()  # [R, V/T]
+        if self.fixed_order:  # columns independent of the shard width, the other rows and the threads
+            logits = invariant_linear(hidden_states, self.weight, self)  # fp32 [R, V/T]
         else:
             logits = F.linear(hidden_states, self.weight).float()  # [R, V/T]
-        if self.logit_softcap is not None:
+        if self.logit_softcap is not None and self.fixed_order and not logits.is_cuda:
+            logits = unary_fixed_order(logits, "softcap", self.logit_softcap)  # scalar tanhf per element
+        elif self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         if self.num_valid_per_partition < logits.size(1):
             logits[:, self.num_valid_per_partition:] = float("-inf")

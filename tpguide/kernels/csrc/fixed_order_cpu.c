@@ -1,0 +1,285 @@
+/* Fixed-order CPU kernels: every output element is one sequence of fused multiply-adds in a
+ * fixed order, whatever the other rows, the columns per call, the thread count or the SIMD width.
+ * See tpguide/kernels/fixed_order_cpu.py (the Python side) and docs/architecture.md §6.
+ *
+ * The order is written in plain C, element by element, and compiled without -ffast-math and with
+ * -ffp-contract=off: fmaf() is exactly rounded, so the vector code the compiler emits for a loop over
+ * independent elements gives the same bits as the scalar code for a remainder.  Nothing here relies
+ * on a library's blocking.
+ *
+ * Linear:  out[m][n] = sum over units u (in order) of  p_u[m][n],
+ *          p_u[m][n] = fma chain over k = 0 .. K_unit-1 of x[m][u*K_unit + k] * w_u[n][k]
+ *          (acc = 0; acc = fmaf(x, w, acc)), and the units added as ((p_0 + p_1) + p_2) + ...
+ * Weights are packed once into panels of NB columns, wp[u][panel][k][j] = w_u[panel*NB + j][k] (zero
+ * past N), fp32 or bf16 (bf16 widened to fp32 exactly before the fma).
+ *
+ * Attention: per (token, head): s_j = fixed 16-lane dot(q, k_j) * scale (optionally soft-capped),
+ * m = max s_j, p_j = expf(s_j - m), l = sum_j p_j (in j order), o[d] = (sum_j p_j v_j[d]) / l.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NB 32   /* columns per weight panel */
+#define MR 8    /* rows per register tile */
+#define LANES 16 /* lanes of the fixed dot-product order (attention, norms) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* A tile is rows [0, mr) x the NB columns of one packed panel of one unit, accumulated from 0:
+ * acc[r][j] = fma chain over k of x[r][k] * w[k * ldw + j]. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* AVX-512: one zmm lane per output column, the rows' accumulators in registers; the same fma per
+ * element as the portable tile below, so the bits do not depend on which one runs. */
+static inline __attribute__((always_inline)) void load_w_f32(const float *w, __mmask16 m0, __mmask16 m1,
+                                                             __m512 *w0, __m512 *w1) {
+    *w0 = _mm512_maskz_loadu_ps(m0, w);
+    *w1 = _mm512_maskz_loadu_ps(m1, w + 16);
+}
+static inline __attribute__((always_inline)) void load_w_bf16(const uint16_t *w, __mmask16 m0, __mmask16 m1,
+                                                              __m512 *w0, __m512 *w1) {
+    __m256i h0 = _mm256_maskz_loadu_epi16(m0, (const void *)w);
+    __m256i h1 = _mm256_maskz_loadu_epi16(m1, (const void *)(w + 16));
+    *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+    *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+}
+#define DEFINE_TILE(NAME, WTYPE, LOADW)                                                             \
+    static inline __attribute__((always_inline)) void NAME##_rows(const int mr, const float *x,     \
+            int64_t ldx, const WTYPE *w, int64_t ldw, int64_t K, int nb, float acc_out[MR][NB]) {    \
+        const __mmask16 m0 = nb >= 16 ? 0xFFFF : (__mmask16)((1u << nb) - 1);                        \
+        const __mmask16 m1 = nb >= 32 ? 0xFFFF : nb <= 16 ? 0 : (__mmask16)((1u << (nb - 16)) - 1);  \
+        __m512 a0[MR], a1[MR];                                                                       \
+        for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();                            \
+        for (int64_t k = 0; k < K; k++) {                                                            \
+            __m512 w0, w1;                                                                           \
+            LOADW(w + k * ldw, m0, m1, &w0, &w1);                                                    \
+            for (int r = 0; r < mr; r++) {                                                           \
+                const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);                                    \
+                a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);                                              \
+                a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);                                              \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < mr; r++) {                                                               \
+            _mm512_storeu_ps(acc_out[r], a0[r]);                                                     \
+            _mm512_storeu_ps(acc_out[r] + 16, a1[r]);                                                \
+        }                                                                                            \
+    }                                                                                                \
+    static void NAME(int mr, const float *x, int64_t ldx, const WTYPE *w, int64_t ldw, int64_t K,    \
+                     int nb, float acc_out[MR][NB]) {                                                \
+        switch (mr) {                                                                                \
+        case 8: NAME##_rows(8, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 7: NAME##_rows(7, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 6: NAME##_rows(6, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 5: NAME##_rows(5, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 4: NAME##_rows(4, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 3: NAME##_rows(3, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        case 2: NAME##_rows(2, x, ldx, w, ldw, K, nb, acc_out); break;                               \
+        default: NAME##_rows(1, x, ldx, w, ldw, K, nb, acc_out); break;                              \
+        }                                                                                            \
+    }
+DEFINE_TILE(tile_f32, float, load_w_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load_w_bf16)
+#else
+/* Portable tile (the compiler vectorises the loop over columns; fmaf is exact either way). */
+#define DEFINE_TILE(NAME, WTYPE, LOADW)                                                              \
+    static void NAME(int mr, const float *x, int64_t ldx, const WTYPE *w, int64_t ldw, int64_t K,   \
+                     int nb, float acc_out[MR][NB]) {                                                 \
+        float acc[MR][NB];                                                                            \
+        for (int r = 0; r < MR; r++)                                                                  \
+            for (int j = 0; j < NB; j++) acc[r][j] = 0.0f;                                            \
+        for (int64_t k = 0; k < K; k++) {                                                             \
+            float wk[NB];                                                                             \
+            for (int j = 0; j < NB; j++) wk[j] = j < nb ? LOADW(w[k * ldw + j]) : 0.0f;               \
+            for (int r = 0; r < mr; r++) {                                                            \
+                const float xv = x[r * ldx + k];                                                      \
+                for (int j = 0; j < NB; j++) acc[r][j] = fmaf(xv, wk[j], acc[r][j]);                  \
+            }                                                                                         \
+        }                                                                                             \
+        memcpy(acc_out, acc, sizeof(acc));                                                            \
+    }
+#define LOAD_F32(v) (v)
+#define LOAD_BF16(v) bf16_to_f32(v)
+DEFINE_TILE(tile_f32, float, LOAD_F32)
+DEFINE_TILE(tile_bf16, uint16_t, LOAD_BF16)
+#endif
+
+/* x: fp32 [M, ldx] (unit u reads columns [u*K_unit, (u+1)*K_unit)); w: packed panels
+ * [U][P = ceil(N / NB)][K_unit][NB] (zero past N), fp32 (w_dtype 0) or bf16 (2); sum_units != 0: out fp32 [M, N] = the units added in order; else out fp32
+ * [U, M, N] (one partial per unit).  Returns 0, or -1 for an unknown weight dtype. */
+int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, int64_t w_dtype,
+                         int64_t K_unit, int64_t U, int64_t N, float *out, int64_t sum_units,
+                         int64_t num_threads) {
+    if (w_dtype != 0 && w_dtype != 2) return -1;
+    const int64_t P = (N + NB - 1) / NB;
+    const int64_t R = (M + MR - 1) / MR;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < P; p++) {
+        for (int64_t rb = 0; rb < R; rb++) {
+            const int64_t m0 = rb * MR;
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            const int64_t n0 = p * NB;
+            const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+            float acc[MR][NB];
+            float total[MR][NB];
+            memset(acc, 0, sizeof(acc));
+            for (int64_t u = 0; u < U; u++) {
+                const float *xu = x + m0 * ldx + u * K_unit;
+                const int64_t off = (u * P + p) * K_unit * NB;
+                if (w_dtype == 0)
+                    tile_f32(mr, xu, ldx, (const float *)w + off, NB, K_unit, NB, acc);
+                else
+                    tile_bf16(mr, xu, ldx, (const uint16_t *)w + off, NB, K_unit, NB, acc);
+                if (!sum_units) {
+                    float *o = out + u * M * N;
+                    for (int r = 0; r < mr; r++)
+                        for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = acc[r][j];
+                } else if (u == 0) {
+                    memcpy(total, acc, sizeof(acc));
+                } else {
+                    for (int r = 0; r < MR; r++)
+                        for (int j = 0; j < NB; j++) total[r][j] += acc[r][j];
+                }
+            }
+            if (sum_units)
+                for (int r = 0; r < mr; r++)
+                    for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = total[r][j];
+        }
+    }
+    return 0;
+}
+
+/* out[i] = ((p[0][i] + p[1][i]) + p[2][i]) + ... over U rows of numel elements: the units' order. */
+void tpguide_sum_units(const float *partials, int64_t U, int64_t numel, float *out, int64_t num_threads) {
+    const int64_t chunk = 4096;
+    const int64_t C = (numel + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t lo = c * chunk, hi = lo + chunk < numel ? lo + chunk : numel;
+        for (int64_t i = lo; i < hi; i++) out[i] = partials[i];
+        for (int64_t u = 1; u < U; u++) {
+            const float *pu = partials + u * numel;
+            for (int64_t i = lo; i < hi; i++) out[i] += pu[i];
+        }
+    }
+}
+
+/* The fixed dot-product order: lane l accumulates d = l, l+16, ... with fmaf, then the 16 lanes are
+ * added as a fixed binary tree.  a, b fp32 [D]. */
+static inline float dot_fixed(const float *a, const float *b, int64_t D) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
+    int64_t d0 = 0;
+    for (; d0 + LANES <= D; d0 += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = fmaf(a[d0 + l], b[d0 + l], lane[l]);
+    for (int l = 0; d0 + l < D; l++) lane[l] = fmaf(a[d0 + l], b[d0 + l], lane[l]);
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] = lane[l] + lane[l + w];
+    return lane[0];
+}
+
+static inline void load_row(const void *src, int64_t dtype, int64_t D, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)D * 4);
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(h[d]);
+    }
+}
+
+#define MAX_HEAD_DIM 512
+
+/* Causal attention of T query tokens over a dense per-slot KV cache.
+ * q: [T, H, D] (dtype), k_cache/v_cache: [slots, L, Hkv, D] (dtype), token_slot/token_pos: int64 [T].
+ * Token t, head h reads KV head h / (H / Hkv) at cache positions j in [lo, pos_t], lo = 0 or
+ * pos_t - window + 1.  scores: fp32 scratch [num_threads, L].  out: fp32 [T, H, D].
+ * dtype: 0 fp32, 2 bf16.  Returns 0, or -1 for bad arguments. */
+int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, int64_t dtype,
+                      const int64_t *token_slot, const int64_t *token_pos, int64_t T, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t L, float scale, int64_t window, float softcap,
+                      float *scores, float *out, int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv) return -1;
+    const int64_t group = H / Hkv;
+    const int64_t esize = dtype == 0 ? 4 : 2;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : bad)
+    for (int64_t th = 0; th < T * H; th++) {
+        const int64_t t = th / H, h = th % H, kvh = h / group;
+        const int64_t pos = token_pos[t], slot = token_slot[t];
+        if (pos < 0 || pos >= L) {
+            bad = 1;
+            continue;
+        }
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *s = scores + (int64_t)tid * L;
+        float qf[MAX_HEAD_DIM], row[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+        load_row((const char *)q + (t * H + h) * D * esize, dtype, D, qf);
+        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const char *kbase = (const char *)k_cache + ((slot * L) * Hkv + kvh) * D * esize;
+        const char *vbase = (const char *)v_cache + ((slot * L) * Hkv + kvh) * D * esize;
+        const int64_t jstride = Hkv * D * esize;
+        float m = -INFINITY;
+        for (int64_t j = lo; j <= pos; j++) {
+            load_row(kbase + j * jstride, dtype, D, row);
+            float sj = dot_fixed(qf, row, D) * scale;
+            if (softcap > 0.0f) sj = softcap * tanhf(sj / softcap);
+            s[j] = sj;
+            if (sj > m) m = sj;
+        }
+        float l = 0.0f;
+        for (int64_t j = lo; j <= pos; j++) {
+            s[j] = expf(s[j] - m);
+            l += s[j];
+        }
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t j = lo; j <= pos; j++) {
+            load_row(vbase + j * jstride, dtype, D, row);
+            const float pj = s[j];
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(pj, row[d], o[d]);
+        }
+        float *dst = out + (t * H + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[d] / l;
+    }
+    return bad ? -1 : 0;
+}
+
+/* RMS statistics: mean_square[t] = dot(x[t], x[t]) / D with the fixed dot order; x fp32 [T, D]. */
+void tpguide_mean_square(const float *x, int64_t T, int64_t D, float *mean_square, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = x + t * D;
+        mean_square[t] = dot_fixed(row, row, D) / (float)D;
+    }
+}
+
+/* Element-wise functions with scalar libm calls only (never a vector approximation), so an element's
+ * value does not depend on where it sits in the tensor, on the tensor's size or on the thread split.
+ * op 0: silu x / (1 + expf(-x)); 1: tanh-GELU 0.5 x (1 + tanhf(sqrt(2/pi) (x + 0.044715 x^3)));
+ * 2: soft-cap c * tanhf(x / c); 3: cosf; 4: sinf.  x, out fp32 [n]. */
+void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *out, int64_t num_threads) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        float r;
+        switch (op) {
+        case 0: r = v / (1.0f + expf(-v)); break;
+        case 1: r = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * (v * v * v)))); break;
+        case 2: r = param * tanhf(v / param); break;
+        case 3: r = cosf(v); break;
+        default: r = sinf(v); break;
+        }
+        out[i] = r;
+    }
+}

@@ -1,0 +1,307 @@
+"""Fixed-order CPU kernels: matmuls, attention and RMS statistics whose every output element is one
+fixed sequence of fused multiply-adds (docs/architecture.md §6, "Determinism").
+
+Library GEMMs (MKL, oneDNN) choose their blocking, and with it each element's
+order of additions, from the problem shape and the thread count, so a row's
+logits change with the rows beside it, with the columns per rank and with the
+threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
+
+* **linear**: ``out[m, n] = fma chain over k`` (from 0, k ascending) of
+  ``x[m, k] * w[n, k]``; with reduction units (row-parallel layers) each unit
+  is such a chain and the units are added in unit order.  Weights are packed
+  once into panels of :data:`PANEL` columns (:func:`pack_weight`).
+* **attention**: per query token and head, scores by a fixed 16-lane dot
+  product, softmax with ``expf`` summed in key order, ``P V`` as an fma chain
+  in key order.
+* **RMS statistics**: the same fixed dot product of a row with itself, over ``D``.
+* **element-wise functions** (SiLU, tanh-GELU, soft-capping, cos, sin): scalar
+  libm calls for every element.  torch evaluates them with vector
+  approximations in the body of a loop and scalar ones in its tail, and the
+  tail moves with the tensor's size and the thread split.
+
+Each element is computed by one thread, so the thread count does not matter;
+``fmaf`` is exactly rounded, so the vector code (AVX-512 intrinsics, or the
+compiler's vectorisation of the portable loops on AVX2) gives the bits of the
+scalar code.  The results are therefore the same on every x86-64 CPU class.
+
+Instruction set: AVX-512 (F, BW) where the CPU has it, else AVX2 + FMA, else
+portable C; ``ATEN_CPU_CAPABILITY=avx2`` or ``default`` forces a narrower one
+(the same variable torch reads), :func:`kernel_isa` names the one in use.  The
+library is compiled on first use (:mod:`tpguide.kernels.c_library`) with
+OpenMP; the ``libgomp`` torch has loaded serves both, so no second thread pool
+spins beside torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tpguide.kernels.c_library import CSRC, load_library
+
+SOURCE = CSRC / "fixed_order_cpu.c"
+#: Columns per packed weight panel (``NB`` in the C source).
+PANEL = 32
+#: Largest head dimension the attention kernel takes (``MAX_HEAD_DIM``).
+MAX_HEAD_DIM = 512
+BASE_CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
+ISA_CFLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512"),
+    "avx2": ("-mavx2", "-mfma"),
+    "default": (),
+}
+#: Weight / activation dtype codes of the C kernels.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
+
+_LOCK = threading.Lock()
+_LIB: Optional[ctypes.CDLL] = None
+_ISA: Optional[str] = None
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_isa(flags: set[str], forced: Optional[str]) -> str:
+    """``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
+
+    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (``avx512``, ``avx2``,
+    ``default``, or None); an unknown value raises ``ValueError`` naming it.
+    """
+    order = ["default", "avx2", "avx512"]
+    have = "default"
+    if {"avx2", "fma"} <= flags:
+        have = "avx2"
+    if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
+        have = "avx512"
+    if forced is None:
+        return have
+    forced = forced.lower()
+    if forced not in order:
+        raise ValueError(f"ATEN_CPU_CAPABILITY={forced!r} is not one of {order}")
+    return order[min(order.index(have), order.index(forced))]
+
+
+def _load() -> ctypes.CDLL:
+    global _LIB, _ISA
+    if _LIB is None:
+        with _LOCK:
+            if _LIB is None:
+                isa = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
+                lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
+                lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64)
+                lib.tpguide_linear_units.restype = ctypes.c_int
+                lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
+                lib.tpguide_sum_units.restype = None
+                lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                                  _f32, _i64, _f32, _ptr, _ptr, _i64)
+                lib.tpguide_attention.restype = ctypes.c_int
+                lib.tpguide_mean_square.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
+                lib.tpguide_mean_square.restype = None
+                lib.tpguide_unary.argtypes = (_ptr, _i64, _i64, _f32, _ptr, _i64)
+                lib.tpguide_unary.restype = None
+                _ISA, _LIB = isa, lib
+    return _LIB
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernels were compiled for (compiles them on first call)."""
+    _load()
+    return _ISA
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _dtype_code(t: torch.Tensor, what: str) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{what} must be float32 or bfloat16 for the fixed-order CPU kernels, got {t.dtype}")
+    return code
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[N, U * K_unit]`` packed for :func:`linear_fixed_order`.
+
+    Attributes
+    ----------
+    panels : torch.Tensor
+        ``[U, ceil(N / PANEL), K_unit, PANEL]`` in the weight's dtype (fp32 or
+        bf16), zero past column ``N``: ``panels[u, p, k, j] = w[p*PANEL + j, u*K_unit + k]``.
+    out_features, unit_size, num_units : int
+        ``N``, ``K_unit``, ``U``.
+    source_version : tuple
+        ``(data_ptr, _version)`` of the weight it was packed from (to notice an in-place update).
+    """
+
+    panels: torch.Tensor
+    out_features: int
+    unit_size: int
+    num_units: int
+    source_version: tuple
+
+
+def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
+    """Pack ``weight [N, K]`` (any strides, CPU, fp32 or bf16) into panels; ``K % num_units == 0``.
+
+    Raises
+    ------
+    ValueError
+        Another dtype or device, or ``K`` not divisible by ``num_units``.
+    """
+    _dtype_code(weight, "weight")
+    if weight.device.type != "cpu":
+        raise ValueError(f"fixed-order CPU kernels need CPU tensors, got weight on {weight.device}")
+    n, k = weight.shape
+    if num_units < 1 or k % num_units:
+        raise ValueError(f"in_features={k} is not divisible by num_units={num_units}")
+    unit = k // num_units
+    num_panels = -(-n // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, num_units, unit)
+    padded[:n] = weight.reshape(n, num_units, unit)
+    panels = padded.view(num_panels, PANEL, num_units, unit).permute(2, 0, 3, 1).contiguous()
+    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version))
+
+
+def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True) -> torch.Tensor:
+    """``x @ w.T`` in the fixed order (module docstring); rows of ``x`` never influence each other.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, U * K_unit]`` fp32 or bf16 on CPU (tokens, input features); bf16 is widened exactly.
+    packed : PackedWeight
+    sum_units : bool
+        True: fp32 ``[M, N]``, the units added in unit order.  False: fp32
+        ``[U, M, N]``, one partial per unit (the row-parallel all-gather input).
+
+    Raises
+    ------
+    ValueError
+        ``x``'s width does not match the weight.
+    """
+    m, k = x.shape
+    if k != packed.unit_size * packed.num_units:
+        raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    lib = _LIB or _load()
+    xf = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+    n, u = packed.out_features, packed.num_units
+    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
+    if m:
+        status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
+                                          DTYPE_CODES[packed.panels.dtype], packed.unit_size, u, n,
+                                          out.data_ptr(), int(sum_units), _threads())
+        assert status == 0, f"tpguide_linear_units returned {status}"
+    return out
+
+
+def sum_units_fixed_order(partials: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[U, ...] -> [...]``: ``((p[0] + p[1]) + p[2]) + ...``, the unit order, element by element."""
+    p = partials.float().contiguous()
+    out = torch.empty(p.shape[1:], dtype=torch.float32)
+    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), _threads())
+    return out
+
+
+def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          token_slots: torch.Tensor, token_positions: torch.Tensor, scale: float,
+                          sliding_window: Optional[int] = None,
+                          logit_softcap: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of each query token over its sequence's cached keys, in the fixed order.
+
+    Token ``t`` (query head ``h``, KV head ``h // (H / Hkv)``) attends cache
+    positions ``j`` of slot ``token_slots[t]`` with
+    ``max(0, p - sliding_window + 1) <= j <= p``, ``p = token_positions[t]``;
+    its keys and values must already be in the cache.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[T, H, D]`` fp32 or bf16 (tokens, query heads, head dim), ``D <= 512``.
+    k_cache, v_cache : torch.Tensor
+        ``[num_slots, max_model_len, Hkv, D]``, contiguous, ``q``'s dtype.
+    token_slots, token_positions : torch.Tensor
+        int64 ``[T]``.
+    scale : float
+        Multiplies ``q . k``.
+    sliding_window : int, optional
+    logit_softcap : float, optional
+        Scores become ``cap * tanh(s / cap)`` (Gemma 2).
+
+    Returns
+    -------
+    torch.Tensor
+        fp32 ``[T, H, D]``.
+
+    Raises
+    ------
+    ValueError
+        Mismatched dtypes or shapes, ``D > 512``, or a position outside the cache.
+    """
+    code = _dtype_code(q, "q")
+    t, h, d = q.shape
+    slots_, length, hkv, dk = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or dk != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match k/v caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
+    if d > MAX_HEAD_DIM or h % hkv:
+        raise ValueError(f"head_dim={d} (at most {MAX_HEAD_DIM}) and num_heads={h} % num_kv_heads={hkv} == 0 needed")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    qc = q.contiguous()
+    slots = token_slots.to(torch.int64).contiguous()
+    pos = token_positions.to(torch.int64).contiguous()
+    threads = _threads()
+    scores = torch.empty(threads, length, dtype=torch.float32)
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    if t:
+        status = (_LIB or _load()).tpguide_attention(
+            qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, slots.data_ptr(), pos.data_ptr(),
+            t, h, hkv, d, length, float(scale), int(sliding_window or 0), float(logit_softcap or 0.0),
+            scores.data_ptr(), out.data_ptr(), threads)
+        if status != 0:
+            raise ValueError(f"token positions must lie in [0, {length}), got {token_positions.tolist()}")
+    return out
+
+
+def mean_square_fixed_order(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, D] -> [T, 1]``: ``mean(x^2)`` per row with the fixed 16-lane dot product (any float dtype in)."""
+    xf = x.float().contiguous()
+    rows, d = xf.shape
+    out = torch.empty(rows, 1, dtype=torch.float32)
+    if rows:
+        (_LIB or _load()).tpguide_mean_square(xf.data_ptr(), rows, d, out.data_ptr(), _threads())
+    return out
+
+
+#: Operations of :func:`unary_fixed_order` (``op`` codes of ``tpguide_unary``).
+UNARY_OPS = {"silu": 0, "gelu_tanh": 1, "softcap": 2, "cos": 3, "sin": 4}
+
+
+def unary_fixed_order(x: torch.Tensor, op: str, param: float = 0.0) -> torch.Tensor:
+    """fp32, ``x``'s shape: ``op`` (a :data:`UNARY_OPS` name) of every element by a scalar libm call.
+
+    ``"softcap"`` is ``param * tanh(x / param)``.  Raises ``KeyError`` for an unknown ``op``.
+    """
+    code = UNARY_OPS[op]
+    xf = x.float().contiguous()
+    out = torch.empty_like(xf)
+    if xf.numel():
+        (_LIB or _load()).tpguide_unary(xf.data_ptr(), xf.numel(), code, float(param), out.data_ptr(), _threads())
+    return out
