@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -36,9 +37,12 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="weights and activations; logits are fp32.  auto (the default): on CPU bfloat16 if "
                         "the CPU has AVX512_BF16 or AMX, else float32; on CUDA the checkpoint's dtype")
     p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
-                   help="plain all-reduce in the row-parallel layers: a little faster, but bf16 logits "
-                        "(and then tokens) may differ between tp sizes (default: TP-invariant reductions, "
-                        "bit-identical at tp 1..4)")
+                   help="the plain, fastest mode: library GEMMs and attention and a plain all-reduce, so logits "
+                        "(and then tokens) may change with the tp size, the batch, speculation or the threads "
+                        "(default: every reduction in a fixed order, see the README's guarantee table)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads per rank (default: cores // tp_size); with the default TP-invariant "
+                        "mode the outputs do not depend on it")
     p.add_argument("--seed", type=int, default=0,
                    help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
     p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
@@ -59,6 +63,18 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
     p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a rank waits in a collective before failing (default {DEFAULT_TIMEOUT_S:g}); "
                         "a dead rank is noticed sooner (closed sockets, torchrun's agent)")
+
+
+def set_threads(args: argparse.Namespace, tp_size: int) -> int:
+    """Set torch's intra-op threads of this rank from ``--threads`` (default ``cores // tp_size``, at least 1).
+
+    Raises ``ValueError`` naming the value if ``--threads`` is below 1.
+    """
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // tp_size)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -32,8 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from engine_flags import add_engine_flags, engine_config_from_args  # noqa: E402
+from engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
 from failure_policy import run_main  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = engine_config_from_args(args)
     group = init_tp_group(timeout_s=args.collective_timeout)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
+    set_threads(args, group.tp_size)
     engine = build_engine(group, args.model, config)
     if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
         engine.runner.on_step = step_fault_hook(group)

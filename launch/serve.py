@@ -29,8 +29,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from engine_flags import add_engine_flags, engine_config_from_args  # noqa: E402
+from engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
 
 from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
 
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"--{name.replace('_', '-')} is out of range: {getattr(args, name)}")
     group = init_tp_group(timeout_s=args.collective_timeout)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.tp_size))
+    set_threads(args, group.tp_size)
     from tpguide.engine import build_engine
 
     engine = build_engine(group, args.model, config)

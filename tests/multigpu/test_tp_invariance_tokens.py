@@ -80,3 +80,46 @@ def test_bf16_tokens_identical(reference, tiny_model_path, requests, tp_size):
     want = _outputs_key(reference)
     for rank_outputs in results:
         assert _outputs_key(rank_outputs) == want
+
+
+def _with_threads(threads: int, fn, *args):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_tp1_two_threads_equals_one_thread(reference, tiny_model_path, requests):
+    """tp 1 with 2 threads gives what tp 2-4 with 1 thread per rank give (``test_bf16_tokens_identical``)."""
+    one = _with_threads(1, generate_on_group, TPGroup(), tiny_model_path, requests, CONFIG)
+    two = _with_threads(2, generate_on_group, TPGroup(), tiny_model_path, requests, CONFIG)
+    assert _outputs_key(two) == _outputs_key(one) == _outputs_key(reference)
+
+
+def _each_alone(model_dir: str, request_dicts: list) -> list:
+    from tpguide.engine.engine import build_engine
+    from tpguide.engine.request_io import parse_request_lines
+
+    engine = build_engine(TPGroup(), model_dir, CONFIG)
+    outputs = []
+    for r in request_dicts:
+        (request,) = parse_request_lines([json.dumps(r)], 64)
+        outputs += [o.to_json() for o in engine.generate([request])]
+    engine.shutdown()
+    return outputs
+
+
+def test_each_request_alone_equals_in_the_file(reference, tiny_model_path, requests):
+    """Batched with the others or alone, a request gets the same tokens and logprobs."""
+    assert _outputs_key(_each_alone(tiny_model_path, requests)) == _outputs_key(reference)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-head"])
+def test_speculation_equals_plain(reference, tiny_model_path, requests, method):
+    """Drafts verified in passes of 1 + K rows change nothing: the verify rows equal decode rows bit for bit."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, speculative_method=method, num_speculative_tokens=4)
+    assert _outputs_key(generate_on_group(TPGroup(), tiny_model_path, requests, config)) == _outputs_key(reference)
