@@ -1,6 +1,6 @@
 """A row's logits do not depend on its batch, its chunking, a verify pass, the threads, the tp size or the ISA.
 
-``torch.equal``, never a tolerance (docs/architecture.md §10, "Determinism").
+``torch.equal``, never a tolerance (docs/architecture.md §6, "Fixed-order reductions").
 One job per (model, tp size) runs, in fp32 and bf16 and at 1 and 2 threads per
 rank, a target prompt ``S`` and a fixed continuation ``D`` (1 + K tokens):
 

@@ -1,5 +1,5 @@
 """Fixed-order CPU kernels: matmuls, attention and RMS statistics whose every output element is one
-fixed sequence of fused multiply-adds (docs/architecture.md §6, "Determinism").
+fixed sequence of fused multiply-adds (docs/architecture.md §6, "Fixed-order reductions").
 
 Library GEMMs (MKL, oneDNN) choose their blocking, and with it each element's
 order of additions, from the problem shape and the thread count, so a row's

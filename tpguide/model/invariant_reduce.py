@@ -27,7 +27,7 @@ Every matmul of the invariant path, the per-unit partials
 (:func:`invariant_linear`, whose shard width changes with ``tp_size``), runs
 a kernel whose order of additions is fixed by the code, not by a library's
 blocking heuristics, so no element depends on the other rows, the columns
-per call or the thread count (docs/architecture.md §10, "Determinism"):
+per call or the thread count (docs/architecture.md §6, "Fixed-order reductions"):
 
 * CPU: the fixed-order C kernels (:mod:`tpguide.kernels.fixed_order_cpu`)
   on weights packed once per layer (:func:`packed_weight`);

@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
                                           logit_softcap=config.final_logit_softcapping)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if tp_invariant:  # every reduction in a fixed order (docs/architecture.md §10, "Determinism")
+        if tp_invariant:  # every reduction in a fixed order (docs/architecture.md §6, "Fixed-order reductions")
             for module in self.modules():
                 if hasattr(type(module), "fixed_order"):
                     module.fixed_order = True
