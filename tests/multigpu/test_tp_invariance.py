@@ -95,7 +95,7 @@ def _padded(full, padded_vocab_size: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_tp1_bf16_threads_agree(references, name):
-    """bf16 GEMMs and attention do not depend on the thread count (fp32 ones do here, see the README)."""
+    """The fixed-order kernels do not depend on the thread count (bf16 here; fp32 in test_batch_invariance.py)."""
     ref = references(name)
     one, two = ref[("bfloat16", 1, True)], ref[("bfloat16", 2, True)]
     assert all(torch.equal(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(one, two))
