@@ -82,6 +82,17 @@ def test_bf16_tokens_identical(reference, tiny_model_path, requests, tp_size):
         assert _outputs_key(rank_outputs) == want
 
 
+@pytest.fixture(scope="module")
+def demo() -> list:
+    """The demo requests, greedy and sampled (the checks below run on them only, to bound the suite's time)."""
+    return _with_sampled_copies(_demo_requests())
+
+
+@pytest.fixture(scope="module")
+def demo_reference(tiny_model_path, demo):
+    return generate_on_group(TPGroup(), tiny_model_path, demo, CONFIG)
+
+
 def _with_threads(threads: int, fn, *args):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -91,11 +102,11 @@ def _with_threads(threads: int, fn, *args):
         torch.set_num_threads(before)
 
 
-def test_tp1_two_threads_equals_one_thread(reference, tiny_model_path, requests):
+def test_tp1_two_threads_equals_one_thread(demo_reference, tiny_model_path, demo):
     """tp 1 with 2 threads gives what tp 2-4 with 1 thread per rank give (``test_bf16_tokens_identical``)."""
-    one = _with_threads(1, generate_on_group, TPGroup(), tiny_model_path, requests, CONFIG)
-    two = _with_threads(2, generate_on_group, TPGroup(), tiny_model_path, requests, CONFIG)
-    assert _outputs_key(two) == _outputs_key(one) == _outputs_key(reference)
+    one = _with_threads(1, generate_on_group, TPGroup(), tiny_model_path, demo, CONFIG)
+    two = _with_threads(2, generate_on_group, TPGroup(), tiny_model_path, demo, CONFIG)
+    assert _outputs_key(two) == _outputs_key(one) == _outputs_key(demo_reference)
 
 
 def _each_alone(model_dir: str, request_dicts: list) -> list:
@@ -111,15 +122,15 @@ def _each_alone(model_dir: str, request_dicts: list) -> list:
     return outputs
 
 
-def test_each_request_alone_equals_in_the_file(reference, tiny_model_path, requests):
+def test_each_request_alone_equals_in_the_file(demo_reference, tiny_model_path, demo):
     """Batched with the others or alone, a request gets the same tokens and logprobs."""
-    assert _outputs_key(_each_alone(tiny_model_path, requests)) == _outputs_key(reference)
+    assert _outputs_key(_each_alone(tiny_model_path, demo)) == _outputs_key(demo_reference)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft-head"])
-def test_speculation_equals_plain(reference, tiny_model_path, requests, method):
+def test_speculation_equals_plain(demo_reference, tiny_model_path, demo, method):
     """Drafts verified in passes of 1 + K rows change nothing: the verify rows equal decode rows bit for bit."""
     import dataclasses
 
     config = dataclasses.replace(CONFIG, speculative_method=method, num_speculative_tokens=4)
-    assert _outputs_key(generate_on_group(TPGroup(), tiny_model_path, requests, config)) == _outputs_key(reference)
+    assert _outputs_key(generate_on_group(TPGroup(), tiny_model_path, demo, config)) == _outputs_key(demo_reference)
