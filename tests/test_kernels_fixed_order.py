@@ -60,8 +60,9 @@ def test_linear_row_is_independent_of_other_rows_columns_and_threads(dtype):
                        with_threads(2, linear_fixed_order, x, pack_weight(w)))
 
 
-def test_units_fused_equal_partials_summed_in_unit_order():
-    x, w = randn(7, 6 * 16, seed=5), randn(40, 6 * 16, seed=6)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_units_fused_equal_partials_summed_in_unit_order(dtype):
+    x, w = randn(7, 6 * 16, seed=5, dtype=dtype), randn(40, 6 * 16, seed=6, dtype=dtype)
     packed = pack_weight(w, num_units=6)
     partials = linear_fixed_order(x, packed, sum_units=False)  # [6, 7, 40]
     for u in range(6):  # each unit is its own chain over its 16 columns
@@ -143,6 +144,8 @@ def test_mean_square_and_unary_match_torch_and_do_not_depend_on_size():
 def test_choose_isa_caps_by_the_forced_value():
     flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     assert choose_isa(flags, None) == "avx512"
+    assert choose_isa(flags | {"amx_tile", "amx_bf16"}, None) == "amx"
+    assert choose_isa(flags | {"amx_tile", "amx_bf16"}, "avx512") == "avx512"
     assert choose_isa(flags, "AVX2") == "avx2"
     assert choose_isa({"avx2", "fma"}, "avx512") == "avx2"
     assert choose_isa(set(), None) == "default"

@@ -9,7 +9,10 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
 * **linear**: ``out[m, n] = fma chain over k`` (from 0, k ascending) of
   ``x[m, k] * w[n, k]``; with reduction units (row-parallel layers) each unit
   is such a chain and the units are added in unit order.  Weights are packed
-  once into panels of :data:`PANEL` columns (:func:`pack_weight`).
+  once into panels of :data:`PANEL` columns (:func:`pack_weight`).  bf16 on a
+  CPU with AMX: one ``TDPBF16PS`` per 32-wide k tile, k tiles ascending, the
+  hardware's fixed order inside a tile (a tile's rows are independent), on
+  weights packed in pairs (VNNI).
 * **attention**: per query token and head, scores by a fixed 16-lane dot
   product, softmax with ``expf`` summed in key order, ``P V`` as an fma chain
   in key order.
@@ -22,11 +25,13 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
 Each element is computed by one thread, so the thread count does not matter;
 ``fmaf`` is exactly rounded, so the vector code (AVX-512 intrinsics, or the
 compiler's vectorisation of the portable loops on AVX2) gives the bits of the
-scalar code.  The results are therefore the same on every x86-64 CPU class.
+scalar code: the same results on every x86-64 CPU class, except bf16 matmuls
+on AMX, whose tile order is the hardware's (fixed, but not the fmaf chain).
 
-Instruction set: AVX-512 (F, BW) where the CPU has it, else AVX2 + FMA, else
-portable C; ``ATEN_CPU_CAPABILITY=avx2`` or ``default`` forces a narrower one
-(the same variable torch reads), :func:`kernel_isa` names the one in use.  The
+Instruction set: AMX (with AVX-512) where the CPU has AMX-BF16 and the kernel
+grants the tile state, else AVX-512 (F, BW), else AVX2 + FMA, else portable
+C; ``ATEN_CPU_CAPABILITY=avx512``, ``avx2`` or ``default`` forces a narrower
+one (the same variable torch reads), :func:`kernel_isa` names the one in use.  The
 library is compiled on first use (:mod:`tpguide.kernels.c_library`) with
 OpenMP; the ``libgomp`` torch has loaded serves both, so no second thread pool
 spins beside torch's.
@@ -49,8 +54,9 @@ SOURCE = CSRC / "fixed_order_cpu.c"
 PANEL = 32
 #: Largest head dimension the attention kernel takes (``MAX_HEAD_DIM``).
 MAX_HEAD_DIM = 512
-BASE_CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
+BASE_CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
 ISA_CFLAGS = {
+    "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512"),
     "avx2": ("-mavx2", "-mfma"),
     "default": (),
@@ -77,17 +83,19 @@ def cpu_flags() -> set[str]:
 
 
 def choose_isa(flags: set[str], forced: Optional[str]) -> str:
-    """``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
+    """``"amx"``, ``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
 
-    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (``avx512``, ``avx2``,
-    ``default``, or None); an unknown value raises ``ValueError`` naming it.
+    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (one of those names, or
+    None); an unknown value raises ``ValueError`` naming it.
     """
-    order = ["default", "avx2", "avx512"]
+    order = ["default", "avx2", "avx512", "amx"]
     have = "default"
     if {"avx2", "fma"} <= flags:
         have = "avx2"
     if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
         have = "avx512"
+        if {"amx_tile", "amx_bf16"} <= flags:
+            have = "amx"
     if forced is None:
         return have
     forced = forced.lower()
@@ -103,6 +111,13 @@ def _load() -> ctypes.CDLL:
             if _LIB is None:
                 isa = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
                 lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
+                if isa == "amx" and lib.tpguide_amx_init() != 0:  # the OS refused the tile state
+                    isa = "avx512"
+                    lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
+                if isa == "amx":
+                    lib.tpguide_linear_units_amx.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64,
+                                                             _i64)
+                    lib.tpguide_linear_units_amx.restype = ctypes.c_int
                 lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64)
                 lib.tpguide_linear_units.restype = ctypes.c_int
                 lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
@@ -143,9 +158,13 @@ class PackedWeight:
     ----------
     panels : torch.Tensor
         ``[U, ceil(N / PANEL), K_unit, PANEL]`` in the weight's dtype (fp32 or
-        bf16), zero past column ``N``: ``panels[u, p, k, j] = w[p*PANEL + j, u*K_unit + k]``.
+        bf16), zero past column ``N``: ``panels[u, p, k, j] = w[p*PANEL + j, u*K_unit + k]``;
+        bf16 on AMX ``[U, ceil(N / PANEL), K_pad / 2, PANEL, 2]`` (k pairs adjacent,
+        ``K_pad`` = ``K_unit`` rounded up to 32, zero past ``K_unit``).
     out_features, unit_size, num_units : int
         ``N``, ``K_unit``, ``U``.
+    padded_unit_size : int
+        ``K_pad`` on AMX, else ``K_unit``.
     source_version : tuple
         ``(data_ptr, _version)`` of the weight it was packed from (to notice an in-place update).
     """
@@ -155,6 +174,12 @@ class PackedWeight:
     unit_size: int
     num_units: int
     source_version: tuple
+    padded_unit_size: int
+
+    @property
+    def amx(self) -> bool:
+        """Packed for the AMX tile kernel (bf16 on an AMX CPU)."""
+        return self.panels.dim() == 5
 
 
 def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
@@ -172,11 +197,16 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     if num_units < 1 or k % num_units:
         raise ValueError(f"in_features={k} is not divisible by num_units={num_units}")
     unit = k // num_units
+    amx = weight.dtype == torch.bfloat16 and kernel_isa() == "amx"
+    padded_unit = -(-unit // 32) * 32 if amx else unit
     num_panels = -(-n // PANEL)
-    padded = weight.new_zeros(num_panels * PANEL, num_units, unit)
-    padded[:n] = weight.reshape(n, num_units, unit)
-    panels = padded.view(num_panels, PANEL, num_units, unit).permute(2, 0, 3, 1).contiguous()
-    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version))
+    padded = weight.new_zeros(num_panels * PANEL, num_units, padded_unit)
+    padded[:n, :, :unit] = weight.reshape(n, num_units, unit)
+    if amx:  # [U, P, K_pad / 2, PANEL, 2]: one B tile row holds 16 columns' k pairs
+        panels = padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
+    else:
+        panels = padded.view(num_panels, PANEL, num_units, unit).permute(2, 0, 3, 1).contiguous()
+    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit)
 
 
 def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True) -> torch.Tensor:
@@ -185,7 +215,8 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     Parameters
     ----------
     x : torch.Tensor
-        ``[M, U * K_unit]`` fp32 or bf16 on CPU (tokens, input features); bf16 is widened exactly.
+        ``[M, U * K_unit]`` fp32 or bf16 on CPU (tokens, input features); bf16 is widened exactly
+        (cast to bf16 for weights packed for AMX).
     packed : PackedWeight
     sum_units : bool
         True: fp32 ``[M, N]``, the units added in unit order.  False: fp32
@@ -200,10 +231,19 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
     lib = _LIB or _load()
-    xf = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
     n, u = packed.out_features, packed.num_units
     out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
-    if m:
+    if m and packed.amx:
+        kp = packed.padded_unit_size
+        xb = x.to(torch.bfloat16)
+        if kp != packed.unit_size:  # zero columns up to the tile width, per unit
+            xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
+        xb = xb.reshape(m, u * kp).contiguous()
+        status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
+                                              out.data_ptr(), int(sum_units), _threads())
+        assert status == 0, f"tpguide_linear_units_amx returned {status}"
+    elif m:
+        xf = x.float().contiguous()
         status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
                                           DTYPE_CODES[packed.panels.dtype], packed.unit_size, u, n,
                                           out.data_ptr(), int(sum_units), _threads())

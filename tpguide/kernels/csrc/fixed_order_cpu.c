@@ -283,3 +283,91 @@ void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *ou
         out[i] = r;
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX bf16 linear.  Each output element is a fixed sequence of TDPBF16PS steps, one per 32-wide k
+ * tile, k tiles ascending; inside a step the hardware's own fixed order over the 16 k pairs.  A
+ * tile's rows are independent, so a row's value does not depend on the rows beside it, on the
+ * columns per call or on the thread count (the order differs from the fmaf chain of the tiles
+ * above: bf16 bits on an AMX CPU are not those of its AVX2 build).
+ * x: bf16 [M, ldx], unit u at columns [u*K_pad, (u+1)*K_pad), K_pad % 32 == 0 (zero-padded by the
+ * caller); w: [U][P][K_pad / 2][NB][2] bf16 (VNNI pairs), zero past N and past the unit's width.
+ * out / sum_units as tpguide_linear_units. */
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Ask the kernel for the AMX tile state (once per process); 0 on success. */
+int tpguide_amx_init(void) {
+    return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+}
+
+static void amx_configure(int rows) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 2; t++) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = 64; }     /* C: rows x 16 fp32 */
+    cfg.rows[2] = (uint8_t)rows; cfg.colsb[2] = 64;                                      /* A: rows x 32 bf16 */
+    for (int t = 3; t < 5; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                 /* B: 16 pairs x 16 cols */
+    _tile_loadconfig(&cfg);
+}
+
+int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
+                             int64_t U, int64_t N, float *out, int64_t sum_units, int64_t num_threads) {
+    if (K_pad % 32) return -1;
+    const int64_t P = (N + NB - 1) / NB;
+    const int64_t R = (M + 15) / 16;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int configured = -1;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            for (int64_t rb = 0; rb < R; rb++) {
+                const int64_t m0 = rb * 16;
+                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+                const int64_t n0 = p * NB;
+                const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+                if (configured != mr) { amx_configure(mr); configured = mr; }
+                float acc[16][NB], total[16][NB];
+                for (int64_t u = 0; u < U; u++) {
+                    const uint16_t *wu = w + (u * P + p) * K_pad * NB;
+                    const uint16_t *xu = x + m0 * ldx + u * K_pad;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t k0 = 0; k0 < K_pad; k0 += 32) {
+                        _tile_loadd(2, xu + k0, ldx * 2);
+                        const uint16_t *wk = wu + (k0 / 2) * NB * 2;   /* 16 pair rows of NB columns */
+                        _tile_loadd(3, wk, NB * 4);
+                        _tile_loadd(4, wk + 32, NB * 4);
+                        _tile_dpbf16ps(0, 2, 3);
+                        _tile_dpbf16ps(1, 2, 4);
+                    }
+                    _tile_stored(0, &acc[0][0], NB * 4);
+                    _tile_stored(1, &acc[0][16], NB * 4);
+                    if (!sum_units) {
+                        float *o = out + u * M * N;
+                        for (int r = 0; r < mr; r++)
+                            for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = acc[r][j];
+                    } else if (u == 0) {
+                        memcpy(total, acc, sizeof(acc));
+                    } else {
+                        for (int r = 0; r < mr; r++)
+                            for (int j = 0; j < NB; j++) total[r][j] += acc[r][j];
+                    }
+                }
+                if (sum_units)
+                    for (int r = 0; r < mr; r++)
+                        for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = total[r][j];
+            }
+        }
+        if (configured != -1) _tile_release();
+    }
+    return 0;
+}
+#endif
