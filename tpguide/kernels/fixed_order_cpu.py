@@ -13,9 +13,10 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   CPU with AMX: one ``TDPBF16PS`` per 32-wide k tile, k tiles ascending, the
   hardware's fixed order inside a tile (a tile's rows are independent), on
   weights packed in pairs (VNNI).
-* **attention**: per query token and head, scores by a fixed 16-lane dot
-  product, softmax with ``expf`` summed in key order, ``P V`` as an fma chain
-  in key order.
+* **attention**: per query token and head, each score an fma chain over the
+  head dim (one key per vector lane), softmax with a pure-arithmetic ``exp``
+  (the same bits vectorised or not) summed in key order, ``P V`` as an fma
+  chain in key order.
 * **RMS statistics**: the same fixed dot product of a row with itself, over ``D``.
 * **element-wise functions** (SiLU, tanh-GELU, soft-capping, cos, sin): scalar
   libm calls for every element.  torch evaluates them with vector
@@ -54,6 +55,8 @@ SOURCE = CSRC / "fixed_order_cpu.c"
 PANEL = 32
 #: Largest head dimension the attention kernel takes (``MAX_HEAD_DIM``).
 MAX_HEAD_DIM = 512
+#: Query rows (tokens x query heads of one KV head) per attention work item (``MAX_ROWS``).
+MAX_ROWS = 64
 BASE_CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
 ISA_CFLAGS = {
     "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"),
@@ -125,6 +128,8 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                                   _f32, _i64, _f32, _ptr, _ptr, _i64)
                 lib.tpguide_attention.restype = ctypes.c_int
+                lib.tpguide_attention_scratch_floats.argtypes = (_i64, _i64)
+                lib.tpguide_attention_scratch_floats.restype = _i64
                 lib.tpguide_mean_square.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
                 lib.tpguide_mean_square.restype = None
                 lib.tpguide_unary.argtypes = (_ptr, _i64, _i64, _f32, _ptr, _i64)
@@ -300,18 +305,20 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match k/v caches {tuple(k_cache.shape)} "
                          f"{k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
-    if d > MAX_HEAD_DIM or h % hkv:
-        raise ValueError(f"head_dim={d} (at most {MAX_HEAD_DIM}) and num_heads={h} % num_kv_heads={hkv} == 0 needed")
+    if d > MAX_HEAD_DIM or h % hkv or h // hkv > MAX_ROWS:
+        raise ValueError(f"head_dim={d} (at most {MAX_HEAD_DIM}), num_heads={h} % num_kv_heads={hkv} == 0 and a "
+                         f"group of at most {MAX_ROWS} query heads needed")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     qc = q.contiguous()
     slots = token_slots.to(torch.int64).contiguous()
     pos = token_positions.to(torch.int64).contiguous()
     threads = _threads()
-    scores = torch.empty(threads, length, dtype=torch.float32)
+    lib = _LIB or _load()
+    scores = torch.empty(threads, lib.tpguide_attention_scratch_floats(length, d), dtype=torch.float32)
     out = torch.empty(t, h, d, dtype=torch.float32)
     if t:
-        status = (_LIB or _load()).tpguide_attention(
+        status = lib.tpguide_attention(
             qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, slots.data_ptr(), pos.data_ptr(),
             t, h, hkv, d, length, float(scale), int(sliding_window or 0), float(logit_softcap or 0.0),
             scores.data_ptr(), out.data_ptr(), threads)

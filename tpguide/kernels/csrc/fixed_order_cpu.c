@@ -13,14 +13,19 @@
  * Weights are packed once into panels of NB columns, wp[u][panel][k][j] = w_u[panel*NB + j][k] (zero
  * past N), fp32 or bf16 (bf16 widened to fp32 exactly before the fma).
  *
- * Attention: per (token, head): s_j = fixed 16-lane dot(q, k_j) * scale (optionally soft-capped),
- * m = max s_j, p_j = expf(s_j - m), l = sum_j p_j (in j order), o[d] = (sum_j p_j v_j[d]) / l.
+ * Attention: per (token, head): s_j = fmaf chain over d of q . k_j, times scale (optionally
+ * soft-capped), m = max s_j, p_j = exp_nonpositive(s_j - m), l = sum_j p_j (in j order),
+ * o[d] = (fmaf chain over j of p_j v_j[d]) / l.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
 #endif
 
 #define NB 32   /* columns per weight panel */
@@ -196,62 +201,196 @@ static inline void load_row(const void *src, int64_t dtype, int64_t D, float *ds
 }
 
 #define MAX_HEAD_DIM 512
+#define MAX_ROWS 64 /* query rows (tokens x heads of one KV head) per attention work item */
+
+/* exp(x) for x <= 0 by Cody-Waite range reduction and Cephes' expf polynomial, in plain float
+ * arithmetic only (no libm, no fma contraction), so every element gets the same bits whether the
+ * compiler vectorises the loop or not; about 1 ulp; exactly 0 below -87.3. */
+static inline float exp_nonpositive(float x) {
+    const float xc = x < -87.3f ? -87.3f : x;
+    const float z = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - z * 0.693359375f;
+    r = r - z * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)z + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.3f ? 0.0f : p * scale;
+}
+
+/* sr[j] = exp_nonpositive(sr[j] - m) for j in [lo, hi]: the same operations, 16 lanes at a time where
+ * the CPU has AVX-512 (each IEEE operation is exactly rounded, so the lanes get the scalar bits). */
+static inline void exp_shifted(float *sr, int64_t lo, int64_t hi, float m) {
+    int64_t j = lo;
+#if defined(__AVX512F__)
+    const __m512 vm = _mm512_set1_ps(m), floor_x = _mm512_set1_ps(-87.3f);
+    for (; j + 16 <= hi + 1; j += 16) {
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sr + j), vm);
+        const __m512 xc = _mm512_max_ps(x, floor_x);
+        const __m512 z = _mm512_roundscale_ps(
+            _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(z, _mm512_set1_ps(0.693359375f)));
+        r = _mm512_sub_ps(r, _mm512_mul_ps(z, _mm512_set1_ps(-2.12194440e-4f)));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(z), _mm512_set1_epi32(127)), 23);
+        const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+        const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+        _mm512_storeu_ps(sr + j, _mm512_mask_blend_ps(under, e, _mm512_setzero_ps()));
+    }
+#endif
+    for (; j <= hi; j++) sr[j] = exp_nonpositive(sr[j] - m);
+}
 
 /* Causal attention of T query tokens over a dense per-slot KV cache.
- * q: [T, H, D] (dtype), k_cache/v_cache: [slots, L, Hkv, D] (dtype), token_slot/token_pos: int64 [T].
+ * q: [T, H, D] (dtype), k_cache/v_cache: [slots, L, Hkv, D] (dtype), token_slot/token_pos: int64 [T]
+ * (a sequence's tokens consecutive, positions ascending, as the flattened batch has them).
  * Token t, head h reads KV head h / (H / Hkv) at cache positions j in [lo, pos_t], lo = 0 or
- * pos_t - window + 1.  scores: fp32 scratch [num_threads, L].  out: fp32 [T, H, D].
- * dtype: 0 fp32, 2 bf16.  Returns 0, or -1 for bad arguments. */
+ * pos_t - window + 1.  Per (t, h): s_j = (fmaf chain over d ascending of q[d] * k_j[d]) * scale
+ * (soft-capped if softcap > 0), m = max_j s_j, p_j = exp_nonpositive(s_j - m), l = sum of p_j in
+ * j order, o[d] = fmaf chain of p_j * v_j[d] in j order, out = o / l.
+ * Work items are runs of consecutive tokens of one sequence times the query heads of one KV head;
+ * an item widens its keys (transposed, [D][J]) and values ([J][D]) once, then each row computes
+ * 16 scores at a time, one key per lane, so the order of every element is the one above whatever
+ * the vector width.  scratch: fp32 [num_threads, attention_scratch_floats(L, D)].
+ * out: fp32 [T, H, D].  dtype: 0 fp32, 2 bf16.  Returns 0, or -1 for bad arguments. */
+#define KEYS 16
+static int64_t padded_keys(int64_t L) { return (L + KEYS - 1) / KEYS * KEYS; }
+
+/* acc[l] = fmaf chain over d of q[d] * kt[d * ld + l], l < KEYS: one key per lane, explicit vectors
+ * (compilers turn the portable loop into 16 scalar chains). */
+static inline void scores16(const float *q, const float *kt, int64_t ld, int64_t D, float acc_out[KEYS]) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * ld), acc);
+    _mm512_storeu_ps(acc_out, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 qd = _mm256_set1_ps(q[d]);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * ld), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * ld + 8), a1);
+    }
+    _mm256_storeu_ps(acc_out, a0);
+    _mm256_storeu_ps(acc_out + 8, a1);
+#else
+    for (int l = 0; l < KEYS; l++) acc_out[l] = 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int l = 0; l < KEYS; l++) acc_out[l] = fmaf(q[d], kt[d * ld + l], acc_out[l]);
+#endif
+}
+
+int64_t tpguide_attention_scratch_floats(int64_t L, int64_t D) {
+    return 2 * padded_keys(L) * D + MAX_ROWS * padded_keys(L);
+}
+
 int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, int64_t dtype,
                       const int64_t *token_slot, const int64_t *token_pos, int64_t T, int64_t H,
                       int64_t Hkv, int64_t D, int64_t L, float scale, int64_t window, float softcap,
-                      float *scores, float *out, int64_t num_threads) {
-    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv) return -1;
+                      float *scratch, float *out, int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv || H / Hkv > MAX_ROWS) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (token_pos[t] < 0 || token_pos[t] >= L) return -1;
     const int64_t group = H / Hkv;
+    const int64_t qb = MAX_ROWS / group; /* tokens per work item */
     const int64_t esize = dtype == 0 ? 4 : 2;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : bad)
-    for (int64_t th = 0; th < T * H; th++) {
-        const int64_t t = th / H, h = th % H, kvh = h / group;
-        const int64_t pos = token_pos[t], slot = token_slot[t];
-        if (pos < 0 || pos >= L) {
-            bad = 1;
-            continue;
-        }
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        float *s = scores + (int64_t)tid * L;
-        float qf[MAX_HEAD_DIM], row[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
-        load_row((const char *)q + (t * H + h) * D * esize, dtype, D, qf);
-        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        const char *kbase = (const char *)k_cache + ((slot * L) * Hkv + kvh) * D * esize;
-        const char *vbase = (const char *)v_cache + ((slot * L) * Hkv + kvh) * D * esize;
-        const int64_t jstride = Hkv * D * esize;
-        float m = -INFINITY;
-        for (int64_t j = lo; j <= pos; j++) {
-            load_row(kbase + j * jstride, dtype, D, row);
-            float sj = dot_fixed(qf, row, D) * scale;
-            if (softcap > 0.0f) sj = softcap * tanhf(sj / softcap);
-            s[j] = sj;
-            if (sj > m) m = sj;
-        }
-        float l = 0.0f;
-        for (int64_t j = lo; j <= pos; j++) {
-            s[j] = expf(s[j] - m);
-            l += s[j];
-        }
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        for (int64_t j = lo; j <= pos; j++) {
-            load_row(vbase + j * jstride, dtype, D, row);
-            const float pj = s[j];
-            for (int64_t d = 0; d < D; d++) o[d] = fmaf(pj, row[d], o[d]);
-        }
-        float *dst = out + (t * H + h) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = o[d] / l;
+    const int64_t LP = padded_keys(L);
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));
+    if (!starts) return -1;
+    int64_t nb = 0;
+    for (int64_t t = 0; t < T;) { /* runs of <= qb consecutive tokens of one slot */
+        int64_t e = t + 1;
+        while (e < T && e - t < qb && token_slot[e] == token_slot[t] && token_pos[e] == token_pos[e - 1] + 1) e++;
+        starts[nb++] = t;
+        t = e;
     }
-    return bad ? -1 : 0;
+    starts[nb] = T;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            int tid = 0;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+#endif
+            const int64_t t0 = starts[b], rows = (starts[b + 1] - t0) * group;
+            const int64_t slot = token_slot[t0];
+            float *kt = scratch + (int64_t)tid * tpguide_attention_scratch_floats(L, D); /* [D][LP] */
+            float *vf = kt + LP * D;                                                     /* [LP][D] */
+            float *s = vf + LP * D;                                                      /* [rows][LP] */
+            int64_t jlo = L, jhi = 0;
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t pos = token_pos[t0 + r / group];
+                const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                if (lo < jlo) jlo = lo;
+                if (pos > jhi) jhi = pos;
+            }
+            const int64_t jn = jhi - jlo + 1, jnp = padded_keys(jn);
+            const char *kbase = (const char *)k_cache + ((slot * L + jlo) * Hkv + kvh) * D * esize;
+            const char *vbase = (const char *)v_cache + ((slot * L + jlo) * Hkv + kvh) * D * esize;
+            const int64_t jstride = Hkv * D * esize;
+            float block[KEYS][MAX_HEAD_DIM];
+            for (int64_t j0 = 0; j0 < jnp; j0 += KEYS) { /* keys widened 16 at a time, then transposed */
+                for (int l = 0; l < KEYS; l++) {
+                    const int64_t j = j0 + l;
+                    if (j < jn) {
+                        load_row(kbase + j * jstride, dtype, D, block[l]);
+                        load_row(vbase + j * jstride, dtype, D, vf + j * D);
+                    } else {
+                        for (int64_t d = 0; d < D; d++) block[l][d] = 0.0f;
+                    }
+                }
+                for (int64_t d = 0; d < D; d++)
+                    for (int l = 0; l < KEYS; l++) kt[d * jnp + j0 + l] = block[l][d];
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t t = t0 + r / group, h = kvh * group + r % group;
+                const int64_t pos = token_pos[t];
+                const int64_t lo = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - jlo;
+                const int64_t hi = pos - jlo;
+                float qf[MAX_HEAD_DIM];
+                load_row((const char *)q + (t * H + h) * D * esize, dtype, D, qf);
+                float *sr = s + r * LP;
+                float m = -INFINITY;
+                for (int64_t j0 = lo - lo % KEYS; j0 <= hi; j0 += KEYS) {
+                    float acc[KEYS];
+                    scores16(qf, kt + j0, jnp, D, acc);
+                    for (int l = 0; l < KEYS; l++) {
+                        float sj = acc[l] * scale;
+                        if (softcap > 0.0f) sj = softcap * tanhf(sj / softcap);
+                        sr[j0 + l] = sj;
+                    }
+                }
+                for (int64_t j = lo; j <= hi; j++)
+                    if (sr[j] > m) m = sr[j];
+                exp_shifted(sr, lo, hi, m);
+                float sum = 0.0f;
+                for (int64_t j = lo; j <= hi; j++) sum += sr[j];
+                float o[MAX_HEAD_DIM];
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t j = lo; j <= hi; j++) {
+                    const float pj = sr[j];
+                    const float *vj = vf + j * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = fmaf(pj, vj[d], o[d]);
+                }
+                float *dst = out + (t * H + h) * D;
+                for (int64_t d = 0; d < D; d++) dst[d] = o[d] / sum;
+            }
+        }
+    }
+    free(starts);
+    return 0;
 }
 
 /* RMS statistics: mean_square[t] = dot(x[t], x[t]) / D with the fixed dot order; x fp32 [T, D]. */
