@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_
 
