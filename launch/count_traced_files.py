@@ -1,4 +1,4 @@
-"""Count the files of tpguide/ in which functions run for one guided request (issue 10's criterion).
+"""Count the files of tpguide/ in which functions run for one guided request (docs/architecture.md §1).
 
 Runs ``launch/generate.py`` in this process (tp 1, the embedded model unless
 ``--model``) on ONE guided request under ``sys.setprofile``, startup
@@ -16,9 +16,6 @@ import json
 import os
 import sys
 import tempfile
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 REQUEST = {"id": "guided", "messages": [{"role": "user", "content": "Invent a person as JSON."}],
            "structured_output": {"json": {"type": "object", "properties": {"name": {"type": "string"}},

@@ -30,15 +30,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_flags import add_engine_flags, engine_config_from_args, set_threads
+from failure_policy import run_main
 
-from engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
-from failure_policy import run_main  # noqa: E402
-
-from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
-from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook  # noqa: E402
-from tpguide.engine import RequestOutput, build_engine  # noqa: E402
-from tpguide.engine.request_io import (  # noqa: E402
+from tpguide.dist import destroy_tp_group, init_tp_group
+from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook
+from tpguide.engine import RequestOutput, build_engine
+from tpguide.engine.request_io import (
     load_finished,
     open_partial,
     parse_request_lines,
@@ -64,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_requests(args):
     if args.requests:
         return read_requests(args.requests, args.max_new_tokens)
-    from demo_requests import DEMO_REQUESTS
+    from tpguide.engine.demo_requests import DEMO_REQUESTS
 
     return parse_request_lines([json.dumps(r) for r in DEMO_REQUESTS], args.max_new_tokens)
 

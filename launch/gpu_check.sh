@@ -18,5 +18,5 @@ echo "[gpu_check] kernel tests"
 timeout 900 "$PY" -m pytest -q tests/test_kernels_reference.py tests/test_kernels_torch.py tests/test_kernels_triton.py
 
 echo "[gpu_check] benchmark (cuda)"
-timeout 900 "$PY" launch/bench_bitmask.py --device cuda "$@"
+timeout 900 "$PY" benchmarks/bench_bitmask.py --device cuda "$@"
 echo "[gpu_check] ok"

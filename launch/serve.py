@@ -27,11 +27,9 @@ import signal
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_flags import add_engine_flags, engine_config_from_args, set_threads
 
-from engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
-
-from tpguide.dist import destroy_tp_group, init_tp_group  # noqa: E402
+from tpguide.dist import destroy_tp_group, init_tp_group
 
 #: Seconds a worker rank waits after SIGINT/SIGTERM for rank 0's stop plan before it leaves anyway.
 WORKER_GRACE_S = 8.0

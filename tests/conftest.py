@@ -63,7 +63,7 @@ def tiny_model_path(tmp_path_factory, default_model_path):
 @pytest.fixture(scope="session")
 def tokenizer():
     """SmolLM2's tokenizer (cached on disk after the first GGUF read); skips if the model package is absent."""
-    from tpguide.guided.testing import load_test_tokenizer
+    from guided_testing import load_test_tokenizer
 
     try:
         return load_test_tokenizer()

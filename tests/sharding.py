@@ -1,6 +1,6 @@
 """Test helpers for the sampler side: shard a full logits tensor by hand.
 
-Like :mod:`tpguide.guided.testing`: used by ``tests/``; nothing here runs in
+Like ``tests/guided_testing.py``: used by ``tests/``; nothing here runs in
 the engine.
 """
 

@@ -1,7 +1,7 @@
 """Both backends on SmolLM2's real tokenizer: generations obey their guides.
 
 Each generation greedily follows deterministic random logits under the
-matcher's bitmask (``tpguide.guided.testing.drive_matcher``) until a stop token.
+matcher's bitmask (``tests/guided_testing.py`` ``drive_matcher``) until a stop token.
 """
 
 import json
@@ -10,10 +10,10 @@ import re
 import jsonschema
 import pytest
 import torch
+from guided_testing import drive_matcher, load_test_backend, steering_biases
 
 from tpguide.guided import StructuredOutputsParams, unpack_bitmask
 from tpguide.guided.bitmask import allocate_token_bitmask
-from tpguide.guided.testing import drive_matcher, load_test_backend, steering_biases
 
 #: SmolLM2's 49152 ids padded to 49280 (as for org_vocab_size 49157 at tp 2):
 #: the bitmask is that wide, and ids >= 49152 must never be allowed.

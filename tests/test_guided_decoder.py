@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from guided_testing import load_test_backend
 
 from tpguide.guided import GuidedDecoder, StructuredOutputsParams
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.testing import load_test_backend
 
 PADDED_VOCAB_SIZE = 49280
 WORDS = PADDED_VOCAB_SIZE // 32

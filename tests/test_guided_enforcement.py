@@ -39,7 +39,7 @@ def test_each_case_violates_only_its_keyword(case):
 
 @pytest.mark.parametrize("name", TABLE_BACKENDS)
 def test_table_is_what_the_installed_backend_enforces(name, tokenizer):
-    from tpguide.guided.testing import load_test_backend
+    from guided_testing import load_test_backend
 
     measured = measure_backend(load_test_backend(name, 49152), tokenizer)
     if measured != MEASURED[name]:

@@ -1,7 +1,7 @@
 """Fail closed, end to end (tp 1, tiny random model): refused up front, auto falls back, best effort is validated.
 
 For every keyword a backend does not enforce (tpguide/guided/enforcement.py),
-for the three unsatisfiable schemas of issue 12 and for grammars whose first
+for the three unsatisfiable schemas and for grammars whose first
 mask is empty:
 
 * the request is refused before it runs, with a message naming the cause;

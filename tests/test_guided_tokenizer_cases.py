@@ -1,8 +1,9 @@
-"""Tokenizer edge cases of issue 12: an id gap keeps its EOS; llguidance and the metaspace U+2581."""
+"""Tokenizer edge cases: an id gap keeps its EOS; llguidance and the metaspace U+2581."""
 
 import json
 
 import pytest
+from guided_testing import metaspace_tokenizer, write_id_gap_tokenizer
 
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig, generate_on_group
@@ -11,7 +12,6 @@ from tpguide.guided.bitmask import allocate_token_bitmask, unpack_bitmask
 from tpguide.guided.enforcement import matcher_accepts_text
 from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.testing import metaspace_tokenizer, write_id_gap_tokenizer
 
 METASPACE = "\u2581"
 
@@ -102,6 +102,6 @@ def test_llguidance_keeps_real_spaces_on_a_metaspace_tokenizer(sp_backends):
 
 
 def test_byte_level_tokenizer_is_not_flagged(tokenizer):
-    from tpguide.guided.testing import load_test_backend
+    from guided_testing import load_test_backend
 
     assert not load_test_backend("llguidance", 49152).rewrites_metaspace

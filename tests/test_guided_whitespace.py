@@ -1,6 +1,7 @@
 """JSON whitespace modes on both backends: compact allows none, bounded at most 12 in a row, any any amount."""
 
 import pytest
+from guided_testing import load_test_backend
 
 from tpguide.guided.enforcement import matcher_accepts_text
 from tpguide.guided.params import (
@@ -9,7 +10,6 @@ from tpguide.guided.params import (
     StructuredOutputsParams,
     check_whitespace_mode,
 )
-from tpguide.guided.testing import load_test_backend
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 RUN = " " * MAX_BOUNDED_WHITESPACE

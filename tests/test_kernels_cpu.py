@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_cases import (  # noqa: E402
+from test_kernels_cases import (
     DTYPES,
     ODD_VOCABS,
     assert_bits_equal,
@@ -19,9 +14,9 @@ from test_kernels_cases import (  # noqa: E402
     make_bitmask,
 )
 
-import tpguide.kernels.apply_token_bitmask_cpu as cpu_backend  # noqa: E402
-from tpguide.kernels import apply_token_bitmask_inplace  # noqa: E402
-from tpguide.kernels.apply_token_bitmask import resolve_backend  # noqa: E402
+import tpguide.kernels.apply_token_bitmask_cpu as cpu_backend
+from tpguide.kernels import apply_token_bitmask_inplace
+from tpguide.kernels.apply_token_bitmask import resolve_backend
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,15 +13,9 @@ Run the interpreted cases directly with
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from triton_interpreted import check_in_child, run_cases  # noqa: E402
+from triton_interpreted import check_in_child, run_cases
 
 pytest.importorskip("triton")
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from test_kernels_cases import check_d2t_shards, check_shards, make_bitmask, make_d2t
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_cases import check_d2t_shards, check_shards, make_bitmask, make_d2t  # noqa: E402
-
-from tpguide.kernels import BACKENDS, apply_token_bitmask_inplace  # noqa: E402
+from tpguide.kernels import BACKENDS, apply_token_bitmask_inplace
 
 
 def loop_oracle(logits, bitmask, token_mask=None, d2t=None, draft_vocab_start_index=0):
@@ -87,9 +83,18 @@ def test_columns_past_the_words_are_disallowed_and_padding_bits_ignored():
     assert (narrow == 0).all()
 
 
-def test_empty_inputs_are_no_ops():
-    apply_token_bitmask_inplace(torch.zeros(0, 10), torch.zeros(0, 1, dtype=torch.int32))
-    apply_token_bitmask_inplace(torch.zeros(2, 0), torch.zeros(2, 1, dtype=torch.int32))
+@pytest.mark.parametrize("backend", ["auto", "cpu", "torch", "reference"])  # triton: CUDA tensors only
+@pytest.mark.parametrize("empty", ["rows", "columns"])
+def test_empty_inputs_are_no_ops(backend, empty):
+    """An empty view (no rows, or no columns) of a real logits tensor: nothing around it is written."""
+    base = torch.arange(40, dtype=torch.float32).reshape(4, 10)
+    before = base.clone()
+    logits, rows = (base[2:2], 0) if empty == "rows" else (base[:, 3:3], 4)
+    bitmask = torch.zeros(rows, 1, dtype=torch.int32)  # every token disallowed
+    assert apply_token_bitmask_inplace(logits, bitmask, backend=backend) is None
+    assert logits.numel() == 0
+    assert torch.equal(base, before)
+    assert torch.equal(bitmask, torch.zeros(rows, 1, dtype=torch.int32))
 
 
 def _args(**overrides):

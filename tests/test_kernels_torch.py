@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_cases import (  # noqa: E402
+from test_kernels_cases import (
     DTYPES,
     ODD_VOCABS,
     check_against_reference,
@@ -18,7 +13,7 @@ from test_kernels_cases import (  # noqa: E402
     devices,
 )
 
-import tpguide.kernels.apply_token_bitmask_torch as torch_backend  # noqa: E402
+import tpguide.kernels.apply_token_bitmask_torch as torch_backend
 
 
 @pytest.fixture(params=["auto", "dense", "sparse"])

@@ -13,22 +13,16 @@ Run the interpreted cases directly with
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from test_kernels_cases import (  # noqa: E402
+from test_kernels_cases import (
     assert_bits_equal,
     check_against_reference,
     check_d2t_shards,
     check_shards,
     make_bitmask,
 )
-from triton_interpreted import check_in_child, run_cases  # noqa: E402
+from triton_interpreted import check_in_child, run_cases
 
 pytest.importorskip("triton")
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16

@@ -1,4 +1,4 @@
-"""Pure pieces of issue 6: output streaming/resume, the finite-instance schema check, fault specs."""
+"""Pure reliability pieces: output streaming/resume, the finite-instance schema check, fault specs."""
 
 import json
 

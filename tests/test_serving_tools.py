@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from guided_testing import load_test_backend
 
 from tpguide.guided import StructuredOutputsParams
-from tpguide.guided.testing import load_test_backend
 from tpguide.serving.errors import APIError
 from tpguide.serving.tool_calls import ToolCallFormat, parse_tool_output, plan_tools, tool_guide
 from tpguide.serving.tool_stream import ToolCallStream

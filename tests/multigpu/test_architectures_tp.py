@@ -66,7 +66,7 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
 
     import torch.distributed as dist
 
-    from tpguide.dist import collectives as C
+    from tpguide.dist import group as C
     from tpguide.engine.engine import Engine, EngineConfig
     from tpguide.engine.request_io import parse_request_lines
     from tpguide.guided import collect_stop_token_ids

@@ -1,6 +1,6 @@
 """Bad requests fail alone, with a message naming the problem, at tp 1 and tp 2.
 
-Every bad-input class of issue 6 sits between good requests; the good ones
+Every bad-input class sits between good requests; the good ones
 must give exactly the outputs of a run without the bad ones (greedy or
 explicitly seeded, so a request's index does not change its tokens).
 """

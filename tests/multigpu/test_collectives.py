@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
 
 

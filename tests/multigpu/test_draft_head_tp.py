@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from guided_testing import json_prefix_bitmask
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.guided import unpack_bitmask
-from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
 from tpguide.speculative.draft_head import (

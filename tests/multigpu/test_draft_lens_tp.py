@@ -8,7 +8,7 @@ lens to both.
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.cache import cache_root

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines

@@ -1,4 +1,4 @@
-"""Speculation with EOS inside an accepted draft window ends exactly as plain decoding (issue 12).
+"""Speculation with EOS inside an accepted draft window ends exactly as plain decoding.
 
 Guided requests with ``ignore_eos: true`` end with ``"stop"`` at the first
 token that terminates the grammar matcher.  With speculation the window can
@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines

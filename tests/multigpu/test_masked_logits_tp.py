@@ -8,12 +8,12 @@ sampling must pick the same token as tp 1.
 
 import pytest
 import torch
+from guided_testing import json_prefix_bitmask
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.guided import split_bitmask
-from tpguide.guided.testing import json_prefix_bitmask
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model

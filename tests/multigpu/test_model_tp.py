@@ -9,7 +9,8 @@ prompt + decode + second prefill chunk).
 import pytest
 import torch
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model

@@ -22,7 +22,7 @@ SETS = json.loads(REFERENCE.read_text())["sets"]
 
 def run_sets(group, model_paths, sets):
     """Module-level (spawnable): each set on a fresh engine; every rank returns the driver's outputs per set."""
-    from tpguide.dist import collectives as C
+    from tpguide.dist import group as C
     from tpguide.engine import EngineConfig, build_engine
     from tpguide.engine.request_io import parse_request_lines
 

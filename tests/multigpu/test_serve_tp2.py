@@ -14,9 +14,9 @@ import time
 import httpx
 import jsonschema
 import pytest
+from server_process import ServerProcess, run_generate
 
 from tpguide.serving.protocol import parse_request
-from tpguide.serving.testing import ServerProcess, run_generate
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

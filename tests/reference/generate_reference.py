@@ -72,7 +72,7 @@ def request_sets():
 
 def run_sets(group, model_paths, sets):
     """Every set on this group (spawnable); every rank returns the driver's outputs per set."""
-    from tpguide.dist import collectives as C
+    from tpguide.dist import group as C
     from tpguide.engine.engine import EngineConfig
     from tpguide.engine.offline import build_engine
     from tpguide.engine.request_io import parse_request_lines

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.engine.driver import Driver
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_io import parse_request_lines

@@ -23,13 +23,9 @@ fresh matcher, so a request never sees a previous request's grammar state.
 Compiled grammars are shared through the backend's cache.
 
 Rows are filled in a thread pool when more than ``parallel_threshold`` rows
-are guided (both backends release the GIL while filling).  Measured on the
-2-core development box (shared, load 4-7) with SmolLM2's vocab padded to
-49280 and JSON-schema rows in mixed states: one row costs about 30 us
-(xgrammar and llguidance alike, best of 40), so 32 rows take under 1 ms on
-one thread and two threads showed no reliable gain (0.7x-1.0x best-of-40, one
-quieter run 2.1x for xgrammar at 8-32 rows).  Hence the default threshold of
-32 rows: the pool is for big batches and costly grammars on many-core drivers.
+are guided (both backends release the GIL while filling).  One row costs tens
+of microseconds, so the default threshold is 32 rows: the pool is for big
+batches and costly grammars on many-core drivers.
 """
 
 from __future__ import annotations
@@ -40,7 +36,8 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
-from tpguide.model.vocab_shard import BITS_PER_WORD, bitmask_shard, get_bitmask_size
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
+from tpguide.model.vocab_shard import bitmask_shard, get_bitmask_size
 
 if TYPE_CHECKING:  # matcher.py imports this module
     from tpguide.guided.matcher import GrammarMatcher, GuidedBackend

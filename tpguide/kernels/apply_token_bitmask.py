@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-BITS_PER_WORD = 32
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
+
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Values accepted by ``backend=``.
 BACKENDS = ("auto", "cpu", "torch", "triton", "reference")

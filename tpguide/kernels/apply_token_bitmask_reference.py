@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-BITS_PER_WORD = 32
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
 
 
 def apply_token_bitmask_inplace_reference(

@@ -30,7 +30,8 @@ import sys
 import numpy as np
 import torch
 
-BITS_PER_WORD = 32
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
+
 #: Logits elements per dense chunk: temporaries stay in cache.
 CHUNK_ELEMENTS = 1 << 17
 #: The sparse strategy is used when at most this fraction of words is not all ones.

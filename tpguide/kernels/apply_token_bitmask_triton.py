@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-BITS_PER_WORD = 32
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
 
 
 @triton.jit

@@ -247,11 +247,6 @@ class ModelConfig:
         return cls.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
     # ---------------------------------------------------------------- derived
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def layer_type(self, layer_idx: int) -> str:
         """``"full_attention"`` or ``"sliding_attention"`` of layer ``layer_idx``."""
         return self.layer_types[layer_idx] if self.layer_types else "full_attention"

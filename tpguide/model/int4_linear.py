@@ -104,7 +104,6 @@ class Int4Weight:
                              f"{list(q.shape)}, {list(scale.shape)}, {list(zero.shape)}")
         if int(q.min()) < 0 or int(q.max()) > 15:
             raise ValueError(f"q must lie in 0..15, got {int(q.min())}..{int(q.max())}")
-        self.out_features, self.in_features = n, k
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 

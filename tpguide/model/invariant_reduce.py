@@ -42,7 +42,8 @@ from typing import Iterable
 
 import torch
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import (
     PackedWeight,
     linear_fixed_order,

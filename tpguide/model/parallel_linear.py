@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.model.config import pad_heads
 from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials, units_sum_local
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
 from tpguide.model.invariant_reduce import invariant_linear
 from tpguide.model.vocab_shard import VocabShard

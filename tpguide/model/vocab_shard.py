@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpguide.kernels.bitmask_layout import BITS_PER_WORD
+
 #: Padding unit per rank, in tokens: a multiple of 32 (one bitmask word).
 VOCAB_PADDING_PER_RANK = 64
-BITS_PER_WORD = 32
 
 
 def pad_vocab_size(org_vocab_size: int, tp_size: int, pad_to: int = VOCAB_PADDING_PER_RANK) -> int:
@@ -128,12 +129,6 @@ class VocabShard:
     def num_embeddings_per_partition(self) -> int:
         """Tokens on this rank (padded ones included)."""
         return self.vocab_end_index - self.vocab_start_index
-
-    @property
-    def num_org_embeddings_per_partition(self) -> int:
-        """Real (checkpoint) tokens on this rank; the rest are padding."""
-        return max(0, min(self.vocab_end_index, self.org_vocab_size) - self.vocab_start_index)
-
 
 def bitmask_shard(bitmask_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """Half-open word range ``[start, end)`` of rank ``tp_rank`` in a bitmask row.

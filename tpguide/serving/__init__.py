@@ -15,6 +15,5 @@ One idea per module:
 ``engine_loop``     the one thread on rank 0 that steps the engine; asyncio bridge
 ``app``             the FastAPI application
 ``server``          rank 0's state: engine loop, metrics, guide precompilation
-``testing``         the server (and generate.py) as a subprocess, for tests and benchmarks
 ==================  =========================================================
 """

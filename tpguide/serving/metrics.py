@@ -12,7 +12,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class ServerMetrics:
-    """The issue's list: running/waiting, tokens, TTFT/ITL/E2E, grammar compile, outcomes."""
+    """The metrics: running/waiting, tokens, TTFT/ITL/E2E, grammar compile, outcomes."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()

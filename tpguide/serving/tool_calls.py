@@ -86,11 +86,6 @@ class ToolPlan:
     fmt: ToolCallFormat
     parallel: bool = True
 
-    @property
-    def named(self) -> Optional[str]:
-        return self.tools[0].name if self.mode == "named" else None
-
-
 def parse_tools(tools: Any) -> List[FunctionTool]:
     """Validate ``tools``; 400 naming the bad entry."""
     if not isinstance(tools, list) or not tools:

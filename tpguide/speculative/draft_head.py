@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.dist import TPGroup, collectives
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.weight_slice import Loadable, check_shape
 

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.model.attention import AttentionMetadata
 from tpguide.speculative.draft_head import DraftHead, apply_draft_bitmask_inplace, draft_greedy
 

@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence, Tuple, TypeVar
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.model.cache import cache_root
 from tpguide.speculative.draft_lens_calibration import calibration_text, calibration_token_ids, collect_residuals
 

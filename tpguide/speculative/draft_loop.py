@@ -1,4 +1,4 @@
-"""Drafting with the draft head inside a step: the driver steers, every rank computes (issue 4).
+"""Drafting with the draft head inside a step: the driver steers, every rank computes.
 
 Speculative method ``draft-head``.  The scheduler reserves ``k`` draft
 positions per decode request (:data:`~tpguide.speculative.verify.DRAFT_PENDING` placeholders, counted in
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.speculative.draft_head import DraftHead
 from tpguide.speculative.draft_iteration import DraftPlan, run_draft_iteration
 from tpguide.worker.runner import Message

@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 
 
 def nonfinite_ranks(logits: torch.Tensor, group: TPGroup) -> List[List[int]]:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import collectives as C
+from tpguide.dist import group as C
 from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.vocab_shard import VocabShard

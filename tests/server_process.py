@@ -1,4 +1,4 @@
-"""Run ``launch/serve.py`` as a subprocess on a free loopback port (tests and ``launch/bench_serve.py``).
+"""Run ``launch/serve.py`` as a subprocess on a free loopback port (tests and ``benchmarks/bench_serve.py``).
 
 ``ServerProcess`` starts ``python launch/serve.py`` (tp 1) or ``torchrun
 --nproc-per-node N launch/serve.py`` (gloo), waits for ``/health`` and
@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """JSONSchemaBench through ``launch/generate.py``: coverage per backend, invalid "stop" outputs, "length" finishes.
 
-    python launch/bench_schemas.py [--requests ../shared/bench-data/jsonschemabench_requests.jsonl]
+    python benchmarks/bench_schemas.py --requests REQUESTS.jsonl
         [--runs xgrammar:bounded,llguidance:bounded,auto:bounded,auto:any] [--model DIR] [--out-dir DIR]
 
 Each run is ``launch/generate.py --guided-backend B --json-whitespace W`` on
@@ -16,7 +16,7 @@ prints:
 
 The data set (60 real-world schemas, six from each of JSONSchemaBench's ten
 categories, as request lines) is not part of the repository: pass its path
-with ``--requests``; the default is where the development machines keep it.
+with ``--requests``.
 Counts only; no timings.
 """
 
@@ -31,13 +31,11 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-DEFAULT_REQUESTS = os.path.join(REPO, "..", "shared", "bench-data", "jsonschemabench_requests.jsonl")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_generate(requests: str, out: str, backend: str, whitespace: str, model: str | None) -> None:
-    cmd = [sys.executable, os.path.join(HERE, "generate.py"), "--requests", requests, "--output", out,
+    cmd = [sys.executable, os.path.join(REPO, "launch", "generate.py"), "--requests", requests, "--output", out,
            "--guided-backend", backend, "--json-whitespace", whitespace, "--quiet"]
     if model:
         cmd += ["--model", model]
@@ -57,7 +55,6 @@ def _reason(error: str) -> str:
 
 def summarise(requests: list, outputs: list) -> dict:
     """Counts for one run (see the module docstring)."""
-    sys.path.insert(0, REPO)
     from tpguide.guided.schema_check import validator_for_schema
 
     schemas = {r["id"]: r["structured_output"]["json"] for r in requests}
@@ -89,7 +86,6 @@ def summarise(requests: list, outputs: list) -> dict:
 
 def admission_only(requests: list, backends: list) -> int:
     """Print, per backend, how many schemas admission accepts (the embedded model's tokenizer)."""
-    sys.path.insert(0, REPO)
     from transformers import AutoTokenizer
 
     from tpguide.engine.request_io import request_from_dict
@@ -121,7 +117,7 @@ def admission_only(requests: list, backends: list) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", default=DEFAULT_REQUESTS)
+    p.add_argument("--requests", required=True, help="JSONSchemaBench request lines")
     p.add_argument("--runs", default="xgrammar:bounded,llguidance:bounded,auto:bounded,auto:any",
                    help="comma-separated BACKEND:WHITESPACE pairs")
     p.add_argument("--model", default=None)

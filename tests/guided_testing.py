@@ -1,9 +1,6 @@
-"""Helpers for testing a guided-decoding backend, tokenizer or grammar, like ``xgrammar.testing``.
+"""Test support for a guided-decoding backend, tokenizer or grammar (``tests/test_guided_*.py``).
 
-For downstream users: someone who adds a backend, checks a tokenizer or
-writes a grammar can test it the way tpguide's own tests do
-(``tests/test_guided_*.py`` use this module too).  Nothing here runs in the
-engine, and no engine module imports it (docs/architecture.md §5).
+Nothing here runs in the engine.
 
 * :func:`load_test_tokenizer`, :func:`load_test_backend`: the embedded
   SmolLM2 tokenizer and a backend for it, once per process;
@@ -196,7 +193,7 @@ def json_prefix_bitmask(tokenizer: Any, padded_vocab_size: int, schema: dict, pr
 def write_id_gap_tokenizer(out_dir: str) -> Any:
     """Save and return a character tokenizer ``a``..``j`` (ids 0-9) whose EOS ``</s>`` is id 15.
 
-    ``len(tokenizer) == 11`` while the largest id is 15: the id gap of issue 12.
+    ``len(tokenizer) == 11`` while the largest id is 15: an id gap before EOS.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

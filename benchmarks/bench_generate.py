@@ -24,7 +24,7 @@ and the fastest run counts (the machine may be shared).
 
 Usage::
 
-    python launch/bench_generate.py [--batch-sizes 8,32] [--max-tokens 32] [--threads 1] [--repeats 2]
+    python benchmarks/bench_generate.py [--batch-sizes 8,32] [--max-tokens 32] [--threads 1] [--repeats 2]
                                     [--tp-sizes 1,2,4] [--model DIR] [--profile]
                                     [--modes auto,float32,float32-plain,bfloat16] [--hf-dtypes float32,bfloat16]
                                     [--tp-compare]
@@ -45,16 +45,14 @@ import pstats
 import resource
 import sys
 import time
-from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpguide.dist import TPGroup  # noqa: E402
-from tpguide.dist.spawn import run_on_ranks  # noqa: E402
-from tpguide.engine import EngineConfig, build_engine  # noqa: E402
-from tpguide.engine.request_io import parse_request_lines  # noqa: E402
+from tpguide.dist import TPGroup
+from tpguide.dist.spawn import run_on_ranks
+from tpguide.engine import EngineConfig, build_engine
+from tpguide.engine.request_io import parse_request_lines
 
 SCHEMA = {
     "type": "object",
@@ -352,7 +350,7 @@ def modes_table(model_dir: str, batch_sizes: List[int], args) -> None:
 
 def tp_job(group, model_dir: str, n: int, max_tokens: int, threads: int) -> Optional[dict]:
     """One rank of the tp comparison: guided run, wall time, engine steps, collectives and their seconds."""
-    from tpguide.dist import collectives
+    from tpguide.dist import group as collectives
 
     torch.set_num_threads(threads)
     stats = {"calls": 0, "seconds": 0.0, "steps": 0}

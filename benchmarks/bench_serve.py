@@ -15,12 +15,14 @@ The machine may be shared, so only the ratio server / offline measured in
 the same run means something; ``--rounds R`` alternates the two phases R
 times (the server stays up, idle, while generate.py runs) and keeps the
 fastest round of each.  Bounded in count (``--requests``) and time
-(``--time-limit``); loopback only.
+(``--time-limit``); loopback only.  Run it from the repository root with
+``python -m``: it starts the server with the test suite's
+``tests/server_process.py``.
 
 Usage::
 
-    python launch/bench_serve.py [--clients 16] [--requests 64] [--max-tokens 32] [--tp 1]
-                                 [--time-limit 600] [--rounds 1] [--model DIR]
+    python -m benchmarks.bench_serve [--clients 16] [--requests 64] [--max-tokens 32] [--tp 1]
+                                     [--time-limit 600] [--rounds 1] [--model DIR]
 """
 
 from __future__ import annotations
@@ -31,14 +33,12 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import httpx  # noqa: E402
-import jsonschema  # noqa: E402
+import httpx
+import jsonschema
 
-from tpguide.serving.testing import ServerProcess  # noqa: E402
+from tests.server_process import ServerProcess
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -95,7 +95,7 @@ def engine_flags(args) -> List[str]:
 
 def offline_on_group(group, model_dir, lines, warm, max_num_seqs, max_tokens):
     """Module-level (spawnable): warm-up batch, then the timed batch; every rank returns the driver's result."""
-    from tpguide.dist import collectives as C
+    from tpguide.dist import group as C
     from tpguide.engine import EngineConfig, build_engine
     from tpguide.engine.request_io import parse_request_lines
 

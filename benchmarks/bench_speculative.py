@@ -10,7 +10,7 @@ Each measurement is repeated ``--repeats`` times, interleaved, fastest counts.
 
 Usage::
 
-    python launch/bench_speculative.py [--k 4] [--draft-num-layers 10] [--threads 1] [--repeats 1]
+    python benchmarks/bench_speculative.py [--k 4] [--draft-num-layers 10] [--threads 1] [--repeats 1]
                                        [--max-tokens 64] [--model DIR]
 """
 
@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
+from bench_generate import run_tpguide
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import run_tpguide  # noqa: E402
-from demo_requests import DEMO_REQUESTS  # noqa: E402
-
-from tpguide.dist import TPGroup  # noqa: E402
-from tpguide.engine import EngineConfig, build_engine  # noqa: E402
+from tpguide.dist import TPGroup
+from tpguide.engine import EngineConfig, build_engine
+from tpguide.engine.demo_requests import DEMO_REQUESTS
 
 
 def run_once(engine, max_tokens: int):

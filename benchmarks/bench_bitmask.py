@@ -14,7 +14,7 @@ interleaved repeats.  Masks:
 
 Usage::
 
-    python launch/bench_bitmask.py [--device cpu|cuda] [--quick] [--dtype float32] [--threads 1]
+    python benchmarks/bench_bitmask.py [--device cpu|cuda] [--quick] [--dtype float32] [--threads 1]
                                    [--backend auto] [--vocab 49152] [--rows 1] [--mask string]
 """
 
@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpguide.kernels import BACKENDS, apply_token_bitmask_inplace  # noqa: E402
-from tpguide.kernels.apply_token_bitmask import resolve_backend  # noqa: E402
+from tpguide.kernels import BACKENDS, apply_token_bitmask_inplace
+from tpguide.kernels.apply_token_bitmask import resolve_backend
 
 VOCABS = (49152, 128256, 151936)
 ROWS = (1, 8, 64, 512)

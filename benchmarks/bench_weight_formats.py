@@ -15,7 +15,7 @@ CPU capability torch sees and whether it has native bf16 (AVX512_BF16/AMX).
 
 Usage::
 
-    python launch/bench_weight_formats.py [--rows 1,8,32] [--threads 1] [--repeats 7]
+    python benchmarks/bench_weight_formats.py [--rows 1,8,32] [--threads 1] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpguide.model.dtype import cpu_has_native_bf16  # noqa: E402
-from tpguide.model.int4_linear import Int4Weight  # noqa: E402
+from tpguide.model.dtype import cpu_has_native_bf16
+from tpguide.model.int4_linear import Int4Weight
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) per layer
 NUM_LAYERS = 30

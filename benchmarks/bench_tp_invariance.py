@@ -12,7 +12,7 @@ plain, and the collectives per step with the wall time spent inside them.
 
 Usage::
 
-    python launch/bench_tp_invariance.py [--tp-sizes 1,2] [--threads 1] [--batch 8] [--steps 16]
+    python benchmarks/bench_tp_invariance.py [--tp-sizes 1,2] [--threads 1] [--batch 8] [--steps 16]
                                          [--repeats 3] [--dtype float32] [--model DIR]
 """
 
@@ -22,16 +22,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpguide.dist import TPGroup, collectives  # noqa: E402
-from tpguide.dist.spawn import run_on_ranks  # noqa: E402
-from tpguide.model.attention import AttentionMetadata  # noqa: E402
-from tpguide.model.dtype import DTYPES  # noqa: E402
-from tpguide.model.loader import load_model  # noqa: E402
+from tpguide.dist import TPGroup
+from tpguide.dist import group as collectives
+from tpguide.dist.spawn import run_on_ranks
+from tpguide.model.attention import AttentionMetadata
+from tpguide.model.dtype import DTYPES
+from tpguide.model.loader import load_model
 
 
 class CollectiveTimer:

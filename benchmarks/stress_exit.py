@@ -1,11 +1,11 @@
 """Exit stress: many ``torchrun --nproc-per-node 2`` jobs on a busy machine must all exit 0.
 
-    python launch/stress_exit.py [--jobs 50] [--nproc 2] [--burners 1]
+    python benchmarks/stress_exit.py [--jobs 50] [--nproc 2] [--burners 1]
 
 Writes a tiny random-weight model (SmolLM2's tokenizer) and a few guided and
 unguided requests to a temporary folder, starts ``--burners`` CPU-bound
-processes beside the jobs (the load under which a rank used to abort at exit,
-issue 12), runs the jobs one after the other and counts their exit codes.
+processes beside the jobs (the load under which a rank used to abort at exit),
+runs the jobs one after the other and counts their exit codes.
 Prints the count and, for a failed job, the tail of its stderr.  Exit status
 0 only if every job exited 0 and wrote one output line per request.
 """
@@ -21,9 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REQUESTS = [
     {"id": "free", "prompt": "Once upon a time", "max_tokens": 6},
@@ -57,7 +55,7 @@ def main(argv=None) -> int:
     try:
         for job in range(args.jobs):
             out = os.path.join(work, f"out-{job}.jsonl")
-            cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.join(HERE, "generate.py"),
+            cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.join(REPO, "launch", "generate.py"),
                    "--model", model, "--requests", requests, "--output", out, "--quiet",
                    "--guided-backend", args.guided_backend]
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
