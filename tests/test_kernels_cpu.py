@@ -15,7 +15,7 @@ from test_kernels_cases import (
 )
 
 import tpguide.kernels.apply_token_bitmask_cpu as cpu_backend
-from tpguide.kernels import apply_token_bitmask_inplace
+from tpguide.kernels import apply_token_bitmask_inplace, c_library
 from tpguide.kernels.apply_token_bitmask import resolve_backend
 
 
@@ -164,11 +164,11 @@ def test_compile_cache_is_reused(fresh_cache, monkeypatch):
     assert list(fresh_cache.glob("*.so")) == built
 
 
-def test_cache_key_changes_with_flags(fresh_cache, monkeypatch):
-    cc = cpu_backend.compiler()
-    path = cpu_backend.library_path(cc)
-    monkeypatch.setattr(cpu_backend, "CFLAGS", (*cpu_backend.CFLAGS, "-DEXTRA"))
-    assert cpu_backend.library_path(cc) != path and cpu_backend.library_path(cc).parent == fresh_cache
+def test_cache_key_changes_with_flags(fresh_cache):
+    cc = c_library.compiler()
+    path = c_library.library_path(cpu_backend.SOURCE, cc, cpu_backend.CFLAGS)
+    other = c_library.library_path(cpu_backend.SOURCE, cc, (*cpu_backend.CFLAGS, "-DEXTRA"))
+    assert other != path and other.parent == path.parent == fresh_cache
 
 
 def test_broken_compiler_falls_back_to_torch(fresh_cache, monkeypatch, caplog):
