@@ -18,8 +18,9 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   (the same bits vectorised or not) summed in key order, ``P V`` as an fma
   chain in key order.
 * **RMS statistics**: the same fixed dot product of a row with itself, over ``D``.
-* **element-wise functions** (SiLU, tanh-GELU, soft-capping, cos, sin): scalar
-  libm calls for every element.  torch evaluates them with vector
+* **element-wise functions**: SiLU from the pure-arithmetic ``exp``
+  (vectorised, the scalar bits), tanh-GELU, soft-capping, cos and sin by
+  scalar libm calls for every element.  torch evaluates them with vector
   approximations in the body of a loop and scalar ones in its tail, and the
   tail moves with the tensor's size and the thread split.
 
@@ -342,7 +343,7 @@ UNARY_OPS = {"silu": 0, "gelu_tanh": 1, "softcap": 2, "cos": 3, "sin": 4}
 
 
 def unary_fixed_order(x: torch.Tensor, op: str, param: float = 0.0) -> torch.Tensor:
-    """fp32, ``x``'s shape: ``op`` (a :data:`UNARY_OPS` name) of every element by a scalar libm call.
+    """fp32, ``x``'s shape: ``op`` (a :data:`UNARY_OPS` name) of every element, the same bits wherever it sits.
 
     ``"softcap"`` is ``param * tanh(x / param)``.  Raises ``KeyError`` for an unknown ``op``.
     """

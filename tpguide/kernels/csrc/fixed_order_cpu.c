@@ -224,34 +224,63 @@ static inline float exp_nonpositive(float x) {
     return x < -87.3f ? 0.0f : p * scale;
 }
 
-/* sr[j] = exp_nonpositive(sr[j] - m) for j in [lo, hi]: the same operations, 16 lanes at a time where
- * the CPU has AVX-512 (each IEEE operation is exactly rounded, so the lanes get the scalar bits). */
+#if defined(__AVX512F__)
+/* exp_nonpositive on 16 lanes: the same IEEE operations in the same order, so the scalar bits. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 floor_x = _mm512_set1_ps(-87.3f);
+    const __m512 xc = _mm512_max_ps(x, floor_x);
+    const __m512 z = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(z, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(z, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(z), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
+}
+#endif
+
+/* sr[j] = exp_nonpositive(sr[j] - m) for j in [lo, hi], 16 lanes at a time where the CPU has AVX-512. */
 static inline void exp_shifted(float *sr, int64_t lo, int64_t hi, float m) {
     int64_t j = lo;
 #if defined(__AVX512F__)
-    const __m512 vm = _mm512_set1_ps(m), floor_x = _mm512_set1_ps(-87.3f);
-    for (; j + 16 <= hi + 1; j += 16) {
-        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sr + j), vm);
-        const __m512 xc = _mm512_max_ps(x, floor_x);
-        const __m512 z = _mm512_roundscale_ps(
-            _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(z, _mm512_set1_ps(0.693359375f)));
-        r = _mm512_sub_ps(r, _mm512_mul_ps(z, _mm512_set1_ps(-2.12194440e-4f)));
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(z), _mm512_set1_epi32(127)), 23);
-        const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-        const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
-        _mm512_storeu_ps(sr + j, _mm512_mask_blend_ps(under, e, _mm512_setzero_ps()));
-    }
+    const __m512 vm = _mm512_set1_ps(m);
+    for (; j + 16 <= hi + 1; j += 16) _mm512_storeu_ps(sr + j, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm)));
 #endif
     for (; j <= hi; j++) sr[j] = exp_nonpositive(sr[j] - m);
+}
+
+/* SiLU x * sigmoid(x) with e = exp_nonpositive(-|x|): x / (1 + e) for x >= 0, x * e / (1 + e) below
+ * (never an overflowing exp); pure arithmetic, the same bits in every lane. */
+static inline float silu_fixed(float x) {
+    const float e = exp_nonpositive(x >= 0.0f ? -x : x);
+    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
+static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (; i + 16 <= hi; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __mmask16 neg = _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ);
+        const __m512 nabs = _mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, v), v); /* -|x| */
+        const __m512 e = exp_nonpositive16(nabs);
+        const __m512 den = _mm512_add_ps(one, e);
+        const __m512 pos_r = _mm512_div_ps(v, den);
+        const __m512 neg_r = _mm512_div_ps(_mm512_mul_ps(v, e), den);
+        _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(neg, pos_r, neg_r));
+    }
+#endif
+    for (; i < hi; i++) out[i] = silu_fixed(x[i]);
 }
 
 /* Causal attention of T query tokens over a dense per-slot KV cache.
@@ -404,16 +433,21 @@ void tpguide_mean_square(const float *x, int64_t T, int64_t D, float *mean_squar
 
 /* Element-wise functions with scalar libm calls only (never a vector approximation), so an element's
  * value does not depend on where it sits in the tensor, on the tensor's size or on the thread split.
- * op 0: silu x / (1 + expf(-x)); 1: tanh-GELU 0.5 x (1 + tanhf(sqrt(2/pi) (x + 0.044715 x^3)));
+ * op 0: silu (silu_fixed: the pure-arithmetic exp, vectorised with the same bits); 1: tanh-GELU 0.5 x (1 + tanhf(sqrt(2/pi) (x + 0.044715 x^3)));
  * 2: soft-cap c * tanhf(x / c); 3: cosf; 4: sinf.  x, out fp32 [n]. */
 void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *out, int64_t num_threads) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    if (op == 0) {
+        const int64_t chunk = 4096, C = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t c = 0; c < C; c++) silu_array(x, out, c * chunk, c * chunk + chunk < n ? c * chunk + chunk : n);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < n; i++) {
         const float v = x[i];
         float r;
         switch (op) {
-        case 0: r = v / (1.0f + expf(-v)); break;
         case 1: r = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * (v * v * v)))); break;
         case 2: r = param * tanhf(v / param); break;
         case 3: r = cosf(v); break;
