@@ -54,6 +54,7 @@ with ``"stop"``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -73,6 +74,7 @@ from tpguide.guided.spec_counters import SpecAccountingError
 from tpguide.sampling.penalties import build_logit_penalties
 from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
+from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
 from tpguide.worker.runner import StepPlan, StepResult
 
@@ -310,16 +312,18 @@ class StepFinisher:
         self.spec = speculator
         self.detokenize = detokenize
 
-    def finish(self, planned: PlannedStep, result: StepResult, guided) -> None:
+    def finish(self, planned: PlannedStep, result: StepResult, guided, dead_end_rows: Sequence[int] = ()) -> None:
         """Apply one step's result to its requests (see the module docstring).
 
         Parameters
         ----------
         guided : GuidedDecoder or None
             The driver's matchers.
+        dead_end_rows : sequence of int
+            Sample rows whose bitmask fill failed (a dead end, or a matcher that raised).
         """
         step = planned.number
-        for row in result.dead_end_rows:  # the bitmask fill failed there: the request fails first
+        for row in dead_end_rows:  # the bitmask fill failed there: the request fails first
             self._fail_guided_row(planned.owner_of_row(row).request, guided, step)
         now = time.perf_counter()
         for i, s in enumerate(planned.scheduled):
@@ -620,8 +624,9 @@ class Driver:
         Parameters
         ----------
         draft : callable, optional
-            ``draft(guided, scheduled)``: fills the draft positions of
-            ``scheduled`` (speculative ``draft-head``: a collective drafting loop).
+            ``draft(guided, requests) -> drafts``: the drafts of the decode
+            requests (a list of :class:`~tpguide.speculative.draft_loop.DraftRequest`);
+            speculative ``draft-head``: a collective drafting loop.
         """
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -634,9 +639,22 @@ class Driver:
                 except ValueError as exc:
                     req.fail(str(exc))
         if draft is not None:
-            draft(self.guided, scheduled)
+            scheduled = self._with_drafts(scheduled, draft)
         self.num_steps += 1
         return planned_step_of(self.num_steps, scheduled)
+
+    def _with_drafts(self, scheduled: List[ScheduledRequest], draft) -> List[ScheduledRequest]:
+        """``scheduled`` with its reserved draft positions replaced by the drafter's drafts."""
+        drafting = [s for s in scheduled if s.num_draft_tokens and not s.request.is_finished]
+        requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
+                                 max_drafts=s.num_draft_tokens,
+                                 guided=(self.guided is not None and s.request.structured_output is not None
+                                         and self.guided.is_guided(s.slot)))
+                    for s in drafting]
+        found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
+        return [dataclasses.replace(s, token_ids=s.token_ids[:1] + found.get(id(s), []),
+                                    num_draft_tokens=len(found.get(id(s), [])))
+                if s.num_draft_tokens else s for s in scheduled]
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
@@ -649,15 +667,19 @@ class Driver:
         return token_bitmask, token_mask, list(failed)
 
     @staticmethod
-    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor], List[int]]:
-        """``(token_mask, per-rank word slices, failed rows)`` of a fill, for the scatter."""
-        token_bitmask, token_mask, failed = filled
-        return token_mask, split_bitmask(token_bitmask, tp_size), failed
+    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
+        token_bitmask, token_mask, _ = filled
+        return token_mask, split_bitmask(token_bitmask, tp_size)
 
-    def finish_step(self, planned: PlannedStep, result: StepResult) -> List[RequestOutput]:
-        """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed."""
+    def finish_step(self, planned: PlannedStep, result: StepResult,
+                    dead_end_rows: Sequence[int] = ()) -> List[RequestOutput]:
+        """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
+
+        ``dead_end_rows``: the sample rows whose bitmask fill failed (:meth:`fill_bitmask`).
+        """
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided)
+        self.finisher.finish(planned, result, self.guided, dead_end_rows)
         outputs = []
         for s in planned.scheduled:
             req = s.request

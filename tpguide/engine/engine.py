@@ -233,16 +233,17 @@ class Engine:
             result = self.runner.execute(
                 planned.plan, (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None)
             in_step = False
-            return outputs + drv.finish_step(planned, result)
+            return outputs + drv.finish_step(planned, result, filling.result()[2] if filling else ())
         except Exception as exc:
             if not in_step:
                 C.broadcast_object(Message.abort(exc), self.group)
             raise
 
-    def _draft(self, guided, scheduled) -> None:
+    def _draft(self, guided, requests) -> List[List[int]]:
         from tpguide.speculative.draft_loop import draft_with_head
 
-        draft_with_head(guided, self.driver.stop_token_ids, self.draft_head, self.group, scheduled)
+        return draft_with_head(guided, self.driver.stop_token_ids, self.draft_head, self.group, requests,
+                               send=lambda plan: C.broadcast_object(Message.for_draft(plan), self.group))
 
     def keepalive(self) -> None:
         """Broadcast a HEARTBEAT message (driver): the waiting ranks leave and re-enter their wait."""

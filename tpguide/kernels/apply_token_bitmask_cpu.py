@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from tpguide.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "apply_token_bitmask_cpu.c"
@@ -56,8 +58,6 @@ NUM_PARAMS = 14
 
 def cache_dir() -> Path:
     """``$TPGUIDE_CACHE/kernels`` if the variable is set, else ``~/.cache/tpguide/kernels``."""
-    from tpguide.model.cache import cache_root
-
     return cache_root() / "kernels"
 
 

@@ -48,7 +48,7 @@ plan channel until STOP.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -247,10 +247,10 @@ def compute_prompt_logprobs(logits_shard: torch.Tensor, target_ids: torch.Tensor
 
 # ---------------------------------------------------------------------- the step
 
-#: On the driver: returns ``(token_mask int32 [R], word slices, failed rows)`` once the rows are
-#: filled; slice ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``; failed rows
-#: (a dead end, or a matcher that raised) have ``token_mask`` 0 and their sample is discarded.
-BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor], Sequence[int]]]
+#: On the driver: returns ``(token_mask int32 [R], word slices)`` once the rows are filled; slice
+#: ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``; a row whose fill failed has
+#: ``token_mask`` 0 (the driver discards its sample).
+BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor]]]
 
 #: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
 PROMPT_ROW_BLOCK = 256
@@ -273,8 +273,6 @@ class StepResult:
         Why each bad row is bad, naming the ranks whose shard held a NaN / ``+inf``.
     prompt_logprobs : PromptLogprobs or None
         Rows of ``plan.selected_prompt_indices``, in plan order.
-    dead_end_rows : list of int
-        Sample rows whose bitmask fill failed (driver only; empty elsewhere).
     """
 
     token_ids: List[int]
@@ -284,7 +282,6 @@ class StepResult:
     bad_rows: List[bool]
     bad_row_notes: Dict[int, str]
     prompt_logprobs: Optional[PromptLogprobs] = None
-    dead_end_rows: List[int] = field(default_factory=list)
 
 
 class StepRunner:
@@ -331,9 +328,8 @@ class StepRunner:
         logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
         if plan.sampling.penalties is not None:  # each rank its own shard: exact at every tp size
             apply_penalties_inplace(logits, plan.sampling.penalties.to(dev), self.shard.vocab_start_index)
-        dead_end_rows: List[int] = []
         if plan.guided:
-            dead_end_rows = self._apply_bitmask(logits, bitmask)
+            self._apply_bitmask(logits, bitmask)
         out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
         bad = out.bad_rows.cpu().tolist()
         notes: Dict[int, str] = {}
@@ -343,23 +339,22 @@ class StepRunner:
             notes = describe_bad_rows(nonfinite_ranks(logits, self.group))
         return StepResult(token_ids=out.token_ids.cpu().tolist(), logprobs=out.logprobs.cpu(),
                           top_logprob_ids=out.top_logprob_ids.cpu(), top_logprobs=out.top_logprobs.cpu(),
-                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt, dead_end_rows=dead_end_rows)
+                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
 
-    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> List[int]:
-        """Receive this rank's token_mask and word slice, apply it to ``logits`` in place; the failed rows."""
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
+        """Receive this rank's token_mask and word slice, apply it to ``logits`` in place."""
         num_rows = logits.shape[0]
         dev = self.group.device
         words = self.shard.bitmask_size // self.group.tp_size
         token_mask = torch.zeros(num_rows, dtype=torch.int32)
-        slices, failed = None, []
+        slices = None
         if self.group.is_driver:
-            token_mask, slices, failed = bitmask()
+            token_mask, slices = bitmask()
         token_mask = C.broadcast_tensor(token_mask.to(dev), self.group)
         local = torch.empty((num_rows, words), dtype=torch.int32, device=dev)
         C.scatter_tensor(local, None if slices is None else [s.to(dev) for s in slices], self.group)
         apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
                                     vocab_start_index=self.shard.vocab_start_index)
-        return list(failed)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> PromptLogprobs:
         """Prompt logprobs of ``plan.selected_prompt_indices``, in blocks of :data:`PROMPT_ROW_BLOCK` rows."""
