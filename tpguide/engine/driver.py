@@ -31,7 +31,7 @@ A planned step holds everything the step needs: the :class:`StepPlan`
 broadcast to every rank, and the driver's own bookkeeping (which request
 owns which sample row, which rows are guided, where each request's prompt
 logprob rows are).  The driver finishes the step from this value and the
-ranks' :class:`~tpguide.worker.runner.StepResult` (:class:`StepFinisher`);
+ranks' :class:`~tpguide.worker.protocol.StepResult` (:class:`StepFinisher`);
 nothing travels through fields that one caller sets and another reads.
 
 **Finishing**: (planned step, step result) -> appended tokens, finished
@@ -76,7 +76,7 @@ from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
 from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
-from tpguide.worker.runner import StepPlan, StepResult
+from tpguide.worker.protocol import StepPlan, StepResult
 
 # ---------------------------------------------------------------------- admission
 

@@ -24,7 +24,7 @@ and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
 to the other ranks as an ABORT message (they raise
-:class:`~tpguide.worker.runner.DriverAborted`) and re-raised; *inside* a
+:class:`~tpguide.worker.protocol.DriverAborted`) and re-raised; *inside* a
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
 
 Offline batch generation is a loop over the same API: :meth:`Engine.generate`
@@ -54,7 +54,8 @@ from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import check_whitespace_mode
 from tpguide.model.config import ModelConfig
-from tpguide.worker.runner import Message, StepRunner
+from tpguide.worker.protocol import Message
+from tpguide.worker.runner import StepRunner
 
 __all__ = ["Engine", "EngineConfig", "build_engine", "generate_on_group"]
 
