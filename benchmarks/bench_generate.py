@@ -107,7 +107,7 @@ class GuidanceTimer:
 
     def __init__(self) -> None:
         from tpguide.engine.driver import Driver
-        from tpguide.guided.bitmask import GuidedDecoder
+        from tpguide.guided.decoder import GuidedDecoder
         from tpguide.worker.runner import StepRunner
 
         self.targets = [(Driver, "fill_bitmask", "overlapped"), (StepRunner, "_apply_bitmask", "critical"),

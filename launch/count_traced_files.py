@@ -1,8 +1,9 @@
 """Count the files of tpguide/ in which functions run for one guided request (docs/architecture.md §1).
 
 Runs ``launch/generate.py`` in this process (tp 1, the embedded model unless
-``--model``) on ONE guided request under ``sys.setprofile``, startup
-included.  Counted: Python function calls (profile ``call`` events, not
+``--model``) on ONE guided request with a profile hook on every thread
+(``sys.setprofile`` for this one, ``threading.setprofile`` for the threads it
+starts: the compile worker and the bitmask fill), startup included.  Counted: Python function calls (profile ``call`` events, not
 ``c_call``), not module bodies (code named ``<module>``), in files under
 ``tpguide/`` outside ``tpguide/model`` and ``tpguide/kernels``.  Prints the
 files in first-call order and their number.
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 
 REQUEST = {"id": "guided", "messages": [{"role": "user", "content": "Invent a person as JSON."}],
            "structured_output": {"json": {"type": "object", "properties": {"name": {"type": "string"}},
@@ -45,11 +47,13 @@ def main() -> int:
         with open(requests, "w") as f:
             f.write(json.dumps(REQUEST) + "\n")
         argv = ["--requests", requests, "--output", os.path.join(tmp, "out.jsonl"), "--quiet", *sys.argv[1:]]
+        threading.setprofile(profile)
         sys.setprofile(profile)
         try:
             rc = generate.main(argv)
         finally:
             sys.setprofile(None)
+            threading.setprofile(None)
         with open(os.path.join(tmp, "out.jsonl")) as f:
             out = json.loads(f.readline())
     for path in seen:

@@ -25,7 +25,7 @@ def run_main(main, argv=None) -> int:
     prints its traceback first.  ``os._exit`` skips interpreter teardown,
     which could block on a process group whose peers are gone.
     """
-    from tpguide.worker.runner import DriverAborted
+    from tpguide.worker.protocol import DriverAborted
 
     rank = os.environ.get("RANK", "0")
     try:

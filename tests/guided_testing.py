@@ -33,7 +33,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def tokenizer_cache_dir() -> str:
     """Where the converted tokenizer is kept (``$TPGUIDE_CACHE`` or ``~/.cache/tpguide``)."""
-    from tpguide.model.cache import cache_root
+    from tpguide.cache import cache_root
 
     return str(cache_root() / "tokenizers" / "SmolLM2-135M-Instruct")
 

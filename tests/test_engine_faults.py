@@ -8,7 +8,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import parse_request_lines
-from tpguide.guided.bitmask import GuidedDecoder
+from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.xgrammar_backend import XGrammarMatcher
 from tpguide.worker.faults import describe_bad_rows, nonfinite_ranks
 

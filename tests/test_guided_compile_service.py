@@ -9,7 +9,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import request_from_dict
-from tpguide.guided.admission import CompileService, GrammarCompileTimeout
+from tpguide.guided.compile_service import CompileService, GrammarCompileTimeout
 
 #: xgrammar 0.2.9 needs about 5 s here to compile this schema (120 optional properties, each with a
 #: pattern; one property alone compiles in milliseconds), so a 0.5 s limit fails it with a wide margin.

@@ -8,7 +8,7 @@ from tpguide.dist.group import TPGroup
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.sampling.prompt_logprobs import prompt_logprobs_by_hand
 from tpguide.sampling.sampler import SamplingMetadata, sample_by_hand
-from tpguide.worker.runner import compute_prompt_logprobs
+from tpguide.worker.group_sampling import compute_prompt_logprobs
 
 NEG_INF = float("-inf")
 

@@ -12,7 +12,7 @@ from tpguide.sampling import sampler as S
 from tpguide.sampling import sampler as sampler_candidates
 from tpguide.sampling.random_stream import gumbel_noise
 from tpguide.sampling.sampler import SamplingMetadata, local_candidates, merge_candidates, sample_by_hand
-from tpguide.worker.runner import sample
+from tpguide.worker.group_sampling import sample
 
 NEG_INF = float("-inf")
 

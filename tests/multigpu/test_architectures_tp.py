@@ -28,7 +28,7 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.attention import AttentionMetadata
-from tpguide.model.config import SUPPORTED_ARCHITECTURES
+from tpguide.model.hf_config import SUPPORTED_ARCHITECTURES
 from tpguide.model.random_checkpoint import TINY_SLIDING_WINDOW, tiny_hf_config, write_random_model
 
 VOCAB = 49160  # LM-head rows; SmolLM2's tokenizer has 49152 ids

@@ -7,11 +7,11 @@ lens to both.
 
 import torch
 
+from tpguide.cache import cache_root
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.attention import AttentionMetadata
-from tpguide.model.cache import cache_root
 from tpguide.model.loader import load_model
 from tpguide.speculative import draft_lens
 from tpguide.speculative.draft_head import DraftHead, build_draft_head, draft_greedy

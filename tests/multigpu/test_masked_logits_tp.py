@@ -18,7 +18,7 @@ from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
 from tpguide.sampling.sampler import SamplingMetadata
-from tpguide.worker.runner import sample
+from tpguide.worker.group_sampling import sample
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

@@ -7,7 +7,7 @@ from tpguide.dist.group import TPGroup
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.sampling.sampler import SamplingMetadata
-from tpguide.worker.runner import sample
+from tpguide.worker.group_sampling import sample
 
 ORG_VOCAB = 1001
 ROWS = 6

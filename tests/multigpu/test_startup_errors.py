@@ -19,7 +19,7 @@ from tpguide.dist.spawn import run_on_ranks
 from tpguide.engine.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.random_checkpoint import write_random_checkpoint
-from tpguide.worker.runner import DriverAborted
+from tpguide.worker.protocol import DriverAborted
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)

@@ -1,21 +1,17 @@
-"""The driver: admission, the three step phases (plan, fill the bitmask, finish) and outputs (tp_rank 0 only).
+"""The driver: a request's life on rank 0, from admission to its outputs; the step phases it delegates.
 
 :class:`Driver` owns the requests, the tokenizer, the scheduler, the grammar
 matchers and the speculator.  :class:`~tpguide.engine.engine.Engine` calls,
 per step::
 
-    planned = driver.plan_step(...)          # a PlannedStep value
+    planned = driver.plan_step(...)          # a PlannedStep value (engine/planner.py)
     filled  = driver.fill_bitmask(planned)   # in a thread, while the forward runs
     result  = runner.execute(planned.plan, <the filled rows>)   # every rank (tpguide/worker/runner.py)
-    outputs = driver.finish_step(planned, result)               # StepFinisher
+    outputs = driver.finish_step(planned, result, filled)       # StepFinisher (engine/finisher.py)
 
 Everything here fails per request: a bad prompt, a grammar that does not
 compile, a dead end or a matcher error finishes that request with
 ``finish_reason="error"`` and a message, and the rest of the batch goes on.
-
-The file holds, in order: admission (:func:`admit_request`), planning
-(:class:`PlannedStep`, :func:`plan_step`), finishing (:class:`StepFinisher`)
-and the :class:`Driver` that runs them.
 
 **Admission**, the ONE place where a request is checked before it runs.
 :func:`admit_request` tokenizes the prompt (chat template for ``messages``),
@@ -25,58 +21,30 @@ the structured-output guide.  Any failure raises ``ValueError`` naming the
 values; :meth:`Driver.add_request` turns it into ``finish_reason="error"``
 for that request only.  Checks that refuse a
 request up front (fail closed, docs/architecture.md §5) belong here.
-
-**Planning**: the scheduler's choice becomes a :class:`PlannedStep` value.
-A planned step holds everything the step needs: the :class:`StepPlan`
-broadcast to every rank, and the driver's own bookkeeping (which request
-owns which sample row, which rows are guided, where each request's prompt
-logprob rows are).  The driver finishes the step from this value and the
-ranks' :class:`~tpguide.worker.runner.StepResult` (:class:`StepFinisher`);
-nothing travels through fields that one caller sets and another reads.
-
-**Finishing**: (planned step, step result) -> appended tokens, finished
-requests, once per step.  In order:
-
-1. guided rows whose bitmask fill failed (a dead end, or a matcher that
-   raised, each with its own reason) fail their request;
-2. every scheduled request advances ``num_computed_tokens``; a request whose
-   sample is used gets its token (plain decode) or its verified window
-   (speculative: ``d_1 .. d_a, y_a`` from :meth:`Speculator.verify`, the
-   matcher rolled back to the accepted state);
-3. each appended token is checked for the stop conditions, in this order:
-   grammar (the matcher rejects it, or is terminated after it: ``"stop"``),
-   stop token (unless ``ignore_eos``), stop string (:mod:`tpguide.engine.stop_strings`),
-   ``max_tokens``, ``max_model_len``.
-
-:meth:`StepFinisher.finish_stop` is the one place where a request finishes
-with ``"stop"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
+from tpguide.engine.finisher import StepFinisher
+from tpguide.engine.planner import PlannedStep, planned_step_of
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
-from tpguide.engine.stop_strings import find_stop_string
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
-from tpguide.guided.admission import CompileService, admit
+from tpguide.guided.admission import admit
+from tpguide.guided.compile_service import CompileService
 from tpguide.guided.schema_check import validate_output
-from tpguide.guided.spec_counters import SpecAccountingError
-from tpguide.sampling.penalties import build_logit_penalties
-from tpguide.sampling.sampler import SamplingMetadata
-from tpguide.sampling.sampler_inputs import ScheduledSeq, prepare_sampler_inputs
+from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
-from tpguide.worker.runner import StepPlan, StepResult
+from tpguide.worker.protocol import StepResult
 
-# ---------------------------------------------------------------------- admission
 
 def tokenize_prompt(tokenizer, req: Request) -> List[int]:
     """Prompt token ids: chat template for ``messages``, plain encoding for ``prompt``.
@@ -157,305 +125,12 @@ def _check_stop_and_penalties(req: Request, tokenizer_vocab_size: int, config) -
                          f"[0, {tokenizer_vocab_size})")
 
 
-# ---------------------------------------------------------------------- planning
+class Filled(NamedTuple):
+    """One bitmask fill of the driver: full rows, which rows are guided, and the rows whose fill failed."""
 
-@dataclass(frozen=True)
-class PlannedStep:
-    """One step as planned on the driver.
-
-    Attributes
-    ----------
-    number : int
-        1 for the engine's first step (error messages say "at step N").
-    plan : StepPlan
-        What every rank executes.
-    scheduled : list of ScheduledRequest
-        The requests of the step, in batch order.
-    first_rows : list of int
-        ``[len(scheduled) + 1]``: request ``i`` owns sample rows
-        ``first_rows[i] .. first_rows[i + 1] - 1`` (``1 + num_draft_tokens`` rows).
-    guided_slots : list of int or None
-        Per request: the slot whose matcher masks its rows this step, None for
-        an unguided row (or one whose sample is discarded).
-    prompt_row_offsets : list of int or None
-        ``[len(scheduled) + 1]``: request ``i`` owns prompt-logprob rows
-        ``[off[i], off[i + 1])``; None when no request asks for them.
-    """
-
-    number: int
-    plan: StepPlan
-    scheduled: List[ScheduledRequest]
-    first_rows: List[int]
-    guided_slots: List[Optional[int]]
-    prompt_row_offsets: Optional[List[int]] = None
-
-    def bitmask_entries(self) -> List[Tuple[Optional[int], List[int]]]:
-        """``(slot or None, drafts)`` per request, the input of the speculative bitmask fill."""
-        return [(slot, s.token_ids[1:1 + s.num_draft_tokens]) for slot, s in zip(self.guided_slots, self.scheduled)]
-
-    def owner_of_row(self, row: int) -> ScheduledRequest:
-        """The scheduled request that owns sample row ``row``."""
-        for i, s in enumerate(self.scheduled):
-            if self.first_rows[i] <= row < self.first_rows[i + 1]:
-                return s
-        raise IndexError(f"sample row {row} out of range [0, {self.first_rows[-1]})")
-
-
-def planned_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> PlannedStep:
-    """The :class:`PlannedStep` of ``scheduled`` (their drafts already filled in).
-
-    A request is guided this step when its sample is used and it has a
-    structured output and is not finished (a request that failed at
-    scheduling keeps its rows, unguided, and its sample is discarded).
-    """
-    scheduled = list(scheduled)
-    guided_slots = [
-        s.slot if (s.samples and s.request.structured_output is not None and not s.request.is_finished) else None
-        for s in scheduled
-    ]
-    first_rows = [0]
-    for s in scheduled:
-        first_rows.append(first_rows[-1] + 1 + s.num_draft_tokens)
-    plan, prompt_row_offsets = build_step_plan(scheduled, guided=any(r is not None for r in guided_slots))
-    return PlannedStep(number, plan, scheduled, first_rows, guided_slots, prompt_row_offsets)
-
-
-def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[StepPlan, Optional[List[int]]]:
-    """Flatten the scheduled requests into a :class:`StepPlan` and the prompt-logprob row offsets.
-
-    Every scheduled request contributes ``1 + num_draft_tokens`` sample rows (docs/architecture.md §4: a
-    non-final prefill chunk's row is computed and its sample discarded).
-    """
-    seqs = [
-        ScheduledSeq(
-            query_len=len(s.token_ids),
-            num_computed_tokens=s.start_position,
-            prompt_len=len(s.request.prompt_token_ids),
-            is_prefill=s.is_prefill,
-            is_last_prefill_chunk=s.is_prefill and s.samples,
-            num_draft_tokens=s.num_draft_tokens,
-            want_prompt_logprobs=s.request.sampling_params.prompt_logprobs is not None,
-        )
-        for s in scheduled
-    ]
-    inputs = prepare_sampler_inputs(seqs)
-    input_ids: List[int] = []
-    for s in scheduled:
-        input_ids.extend(s.token_ids)
-    params = [s.request.sampling_params for s in scheduled]
-    rows = inputs.sample_row_to_seq.tolist()
-    sampling = SamplingMetadata(
-        temperature=torch.tensor([params[i].temperature for i in rows], dtype=torch.float32),
-        top_k=torch.tensor([params[i].top_k for i in rows], dtype=torch.int32),
-        top_p=torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
-        seeds=torch.tensor([scheduled[i].request.seed for i in rows], dtype=torch.int64),
-        sample_positions=inputs.sample_positions.to(torch.int64),
-        num_logprobs=max((p.logprobs for p in params), default=0),
-        return_logprobs=any(p.logprobs for p in params),  # else the sampler skips log-sum-exp
-        penalties=build_logit_penalties([(params[i], scheduled[i].request.prompt_token_ids,
-                                          scheduled[i].request.output_token_ids) for i in rows])
-        if any(p.has_penalties for p in params) else None,
-    )
-    prompt_fields, offsets = {}, None
-    if inputs.num_prompt_rows:
-        prompt_fields = _prompt_fields(scheduled, inputs)
-        offsets = inputs.prompt_row_offsets.tolist()
-    plan = StepPlan(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        seq_slots=[s.slot for s in scheduled],
-        query_lens=[len(s.token_ids) for s in scheduled],
-        context_lens=[s.start_position for s in scheduled],
-        selected_token_indices=inputs.selected_token_indices,
-        sampling=sampling,
-        guided=guided,
-        **prompt_fields,
-    )
-    return plan, offsets
-
-
-def _prompt_fields(scheduled: List[ScheduledRequest], inputs) -> dict:
-    """StepPlan fields for prompt logprobs: rows, the prompt tokens they score, top-n."""
-    offsets = inputs.prompt_row_offsets.tolist()
-    targets = inputs.prompt_target_positions.tolist()
-    target_ids: List[int] = []
-    for i, s in enumerate(scheduled):
-        prompt = s.request.prompt_token_ids
-        target_ids.extend(prompt[p] for p in targets[offsets[i]:offsets[i + 1]])
-    return dict(
-        selected_prompt_indices=inputs.selected_prompt_indices,
-        prompt_target_ids=torch.tensor(target_ids, dtype=torch.int64),
-        num_prompt_logprobs=max((s.request.sampling_params.prompt_logprobs or 0) for s in scheduled),
-    )
-
-
-# ---------------------------------------------------------------------- finishing
-
-class StepFinisher:
-    """The driver's step postprocessing.
-
-    Parameters
-    ----------
-    stop_token_ids : set of int
-        Ids that end a request with ``"stop"`` (unless ``ignore_eos``).
-    max_model_len : int
-    speculator : Speculator or None
-    detokenize : callable, optional
-        Token ids -> output text; needed for requests with stop strings.
-    """
-
-    def __init__(self, stop_token_ids: Set[int], max_model_len: int, speculator=None,
-                 detokenize: Optional[Callable[[Sequence[int]], str]] = None) -> None:
-        self.stop_token_ids = stop_token_ids
-        self.max_model_len = max_model_len
-        self.spec = speculator
-        self.detokenize = detokenize
-
-    def finish(self, planned: PlannedStep, result: StepResult, guided) -> None:
-        """Apply one step's result to its requests (see the module docstring).
-
-        Parameters
-        ----------
-        guided : GuidedDecoder or None
-            The driver's matchers.
-        """
-        step = planned.number
-        for row in result.dead_end_rows:  # the bitmask fill failed there: the request fails first
-            self._fail_guided_row(planned.owner_of_row(row).request, guided, step)
-        now = time.perf_counter()
-        for i, s in enumerate(planned.scheduled):
-            req, first_row = s.request, planned.first_rows[i]
-            req.num_computed_tokens += len(s.token_ids)
-            if req.is_finished or not s.samples:
-                continue
-            if self.spec is not None and not s.is_prefill:
-                self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step)
-            elif result.bad_rows[first_row]:
-                self._fail_bad_row(req, result, first_row, step)
-            else:
-                self._append(req, result.token_ids[first_row], result, first_row, guided, step)
-            req.first_token_time = req.first_token_time or now
-
-    def record_prompt_logprobs(self, planned: PlannedStep, result: StepResult) -> None:
-        """Append this step's prompt logprobs to their requests."""
-        prompt, offsets = result.prompt_logprobs, planned.prompt_row_offsets
-        if prompt is None or offsets is None:
-            return
-        logprobs, top_ids, top_lps = prompt.logprobs.tolist(), prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
-        targets = planned.plan.prompt_target_ids.tolist()
-        for i, s in enumerate(planned.scheduled):
-            n = s.request.sampling_params.prompt_logprobs or 0
-            for row in range(offsets[i], offsets[i + 1]):
-                s.request.prompt_logprobs.append({
-                    "token_id": targets[row],
-                    "logprob": logprobs[row],
-                    "top": [[i_, lp] for i_, lp in zip(top_ids[row][:n], top_lps[row][:n])],
-                })
-
-    # ------------------------------------------------------------------ failures
-    @staticmethod
-    def _fail_guided_row(req: Request, guided, step: int) -> None:
-        reason = guided.failure_reason(req.slot) if guided is not None else None
-        if reason is not None and "dead end" not in reason:  # the matcher raised: say so, with its reason
-            req.fail(f"grammar matcher failed at step {step} after {len(req.output_token_ids)} generated "
-                     f"tokens: {reason}")
-        else:
-            req.fail(f"grammar dead end at step {step}: no token is allowed after "
-                     f"{len(req.output_token_ids)} generated tokens")
-
-    @staticmethod
-    def _fail_bad_row(req: Request, result: StepResult, row: int, step: int) -> None:
-        note = result.bad_row_notes.get(row, "all -inf or NaN")
-        req.fail(f"non-finite logits at step {step}: {note}")
-        print(f"[rank 0] step {step}: request {req.request_id!r} failed: {req.error}", file=sys.stderr, flush=True)
-
-    # ------------------------------------------------------------------ tokens
-    def _append_verified(self, req: Request, drafts, result: StepResult, first_row: int, guided, step: int) -> None:
-        """Speculative decode: append the verified window, truncated at the first stop condition."""
-        verdict = self.spec.verify(drafts, result.token_ids, first_row)
-        a = verdict.num_accepted
-        req.num_computed_tokens -= len(drafts) - a  # rejected positions: overwritten by later steps
-        accepted = a  # drafts the matcher already advanced through (clamped at a terminated matcher)
-        if req.structured_output is not None and guided is not None and hasattr(guided, "rollback_rejected"):
-            try:
-                accepted = guided.rollback_rejected(req.slot, a)
-            except SpecAccountingError as exc:  # a bug: report it loudly, fail this request only
-                print(f"[rank 0] speculative accounting bug for request {req.request_id!r}: {exc}",
-                      file=sys.stderr, flush=True)
-                req.fail(f"internal error (speculative accounting): {exc}")
-                return
-            except ValueError as exc:
-                req.fail(str(exc))
-                return
-        for j in range(accepted + 1):
-            row = verdict.rows[j]
-            if result.bad_rows[row]:
-                self._fail_bad_row(req, result, row, step)
-                return
-            if j < accepted:  # the matcher advanced through this draft while filling the rows
-                # it can only be terminated after the last draft it advanced through
-                terminated = j == accepted - 1 and guided is not None and guided.is_terminated(req.slot)
-                self._append(req, verdict.token_ids[j], result, row, guided, step,
-                             advance_matcher=False, matcher_terminated=terminated)
-            else:
-                self._append(req, verdict.token_ids[j], result, row, guided, step)
-            if req.is_finished:
-                return
-
-    def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int,
-                advance_matcher: bool = True, matcher_terminated: Optional[bool] = None) -> None:
-        """Append one output token and check the stop conditions.
-
-        ``advance_matcher=False``: a verified draft the matcher already
-        accepted while the rows were filled; ``matcher_terminated`` then says
-        whether the matcher is terminated after it.
-        """
-        req.output_token_ids.append(token)
-        if req.sampling_params.logprobs:
-            n = req.sampling_params.logprobs
-            req.output_logprobs.append({
-                "token_id": token,
-                "logprob": float(result.logprobs[row]),
-                "top": [[int(i), float(v)] for i, v in
-                        zip(result.top_logprob_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist())],
-            })
-        if req.structured_output is not None and guided is not None:
-            if advance_matcher:
-                try:
-                    if not guided.accept_token(req.slot, token):
-                        req.fail(f"grammar matcher rejected token {token} at step {step}")
-                        return
-                except ValueError as exc:
-                    req.fail(str(exc))
-                    return
-                matcher_terminated = guided.is_terminated(req.slot)
-            if matcher_terminated:
-                self.finish_stop(req)
-                return
-        if token in self.stop_token_ids and not req.sampling_params.ignore_eos:
-            self.finish_stop(req)
-        elif req.sampling_params.stop and self._hit_stop_string(req):
-            self.finish_stop(req)
-        elif len(req.output_token_ids) >= req.sampling_params.max_tokens:
-            req.finish("length")
-        elif req.num_tokens >= self.max_model_len:
-            req.finish("length")
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        cut = find_stop_string(self.detokenize, req.output_token_ids, req.sampling_params.stop)
-        if cut is None:
-            return False
-        req.stop_text_cut = cut
-        return True
-
-    def finish_stop(self, req: Request) -> None:
-        """The one point where a request finishes with ``"stop"`` (its constraint, if any, is complete)."""
-        req.finish("stop")
-
-
-# ---------------------------------------------------------------------- the driver
-
-#: ``(token_bitmask [R, bitmask_size], token_mask [R], failed sample rows)`` of one fill.
-Filled = Tuple[torch.Tensor, torch.Tensor, List[int]]
+    token_bitmask: torch.Tensor  # int32 [R, bitmask_size]
+    token_mask: torch.Tensor  # int32 [R]; 0 on a failed row
+    dead_end_rows: List[int]  # a dead end, or a matcher that raised: the request fails in finish_step
 
 
 class Driver:
@@ -523,7 +198,7 @@ class Driver:
         """Admit ``req`` (:func:`admit_request`) and queue it; never raises for bad input.
 
         A guide is checked (fail closed, :mod:`tpguide.guided.admission`) and
-        compiled in a worker thread (:class:`~tpguide.guided.admission.CompileService`);
+        compiled in a worker thread (:class:`~tpguide.guided.compile_service.CompileService`);
         requests join the scheduler in arrival order, each once its guide is
         admitted, while the running ones keep stepping.
         """
@@ -620,8 +295,9 @@ class Driver:
         Parameters
         ----------
         draft : callable, optional
-            ``draft(guided, scheduled)``: fills the draft positions of
-            ``scheduled`` (speculative ``draft-head``: a collective drafting loop).
+            ``draft(guided, requests) -> drafts``: the drafts of the decode
+            requests (a list of :class:`~tpguide.speculative.draft_loop.DraftRequest`);
+            speculative ``draft-head``: a collective drafting loop.
         """
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -634,9 +310,22 @@ class Driver:
                 except ValueError as exc:
                     req.fail(str(exc))
         if draft is not None:
-            draft(self.guided, scheduled)
+            scheduled = self._with_drafts(scheduled, draft)
         self.num_steps += 1
         return planned_step_of(self.num_steps, scheduled)
+
+    def _with_drafts(self, scheduled: List[ScheduledRequest], draft) -> List[ScheduledRequest]:
+        """``scheduled`` with its reserved draft positions replaced by the drafter's drafts."""
+        drafting = [s for s in scheduled if s.num_draft_tokens and not s.request.is_finished]
+        requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
+                                 max_drafts=s.num_draft_tokens,
+                                 guided=(self.guided is not None and s.request.structured_output is not None
+                                         and self.guided.is_guided(s.slot)))
+                    for s in drafting]
+        found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
+        return [dataclasses.replace(s, token_ids=s.token_ids[:1] + found.get(id(s), []),
+                                    num_draft_tokens=len(found.get(id(s), [])))
+                if s.num_draft_tokens else s for s in scheduled]
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
@@ -646,18 +335,21 @@ class Driver:
             token_bitmask, token_mask, failed = self.guided.fill_bitmask(planned.guided_slots)
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
-        return token_bitmask, token_mask, list(failed)
+        return Filled(token_bitmask, token_mask, list(failed))
 
     @staticmethod
-    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor], List[int]]:
-        """``(token_mask, per-rank word slices, failed rows)`` of a fill, for the scatter."""
-        token_bitmask, token_mask, failed = filled
-        return token_mask, split_bitmask(token_bitmask, tp_size), failed
+    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
+        return filled.token_mask, split_bitmask(filled.token_bitmask, tp_size)
 
-    def finish_step(self, planned: PlannedStep, result: StepResult) -> List[RequestOutput]:
-        """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed."""
+    def finish_step(self, planned: PlannedStep, result: StepResult,
+                    filled: Optional[Filled] = None) -> List[RequestOutput]:
+        """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
+
+        ``filled``: the step's bitmask fill (:meth:`fill_bitmask`), None for an unguided step.
+        """
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided)
+        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else ())
         outputs = []
         for s in planned.scheduled:
             req = s.request

@@ -15,16 +15,16 @@ In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 
 and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 
-    driver   plan       Driver.plan_step        -> PlannedStep   (engine/driver.py)
+    driver   plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
              [draft-head drafting loop, collective]               (speculative/draft_loop.py)
-             fill the guided rows in a thread                     (engine/driver.py)
+             fill       Driver.fill_bitmask, in a thread -> Filled (engine/driver.py)
     all      execute    StepRunner.execute(plan) -> StepResult    (worker/runner.py)
-    driver   finish     Driver.finish_step(planned, result)      (engine/driver.py)
+    driver   finish     Driver.finish_step(planned, result, filled) -> outputs (engine/finisher.py)
 
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
 to the other ranks as an ABORT message (they raise
-:class:`~tpguide.worker.runner.DriverAborted`) and re-raised; *inside* a
+:class:`~tpguide.worker.protocol.DriverAborted`) and re-raised; *inside* a
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
 
 Offline batch generation is a loop over the same API: :meth:`Engine.generate`
@@ -54,7 +54,8 @@ from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import check_whitespace_mode
 from tpguide.model.config import ModelConfig
-from tpguide.worker.runner import Message, StepRunner
+from tpguide.worker.protocol import Message, StepResult
+from tpguide.worker.runner import StepRunner
 
 __all__ = ["Engine", "EngineConfig", "build_engine", "generate_on_group"]
 
@@ -217,32 +218,31 @@ class Engine:
             pending finished outputs (maybe none) at once, and no collective.
         """
         drv = self._require_driver()
-        in_step = False
-        try:
+        drafting = self.draft_head is not None
+        with self._between_steps():
             outputs = drv.take_finished_outside_steps()
             if not drv.has_work():
                 return outputs
-            draft = self._draft if self.draft_head is not None else None
-            in_step = draft is not None  # the drafting loop runs collectives
-            planned = drv.plan_step(draft)
+        with self._between_steps(inside=drafting):  # the drafting loop runs collectives
+            planned = drv.plan_step(self._draft if drafting else None)
             if planned is None:
                 return outputs
             filling = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
             C.broadcast_object(Message.for_step(planned.plan), self.group)
-            in_step = True
-            result = self.runner.execute(
-                planned.plan, (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None)
-            in_step = False
-            return outputs + drv.finish_step(planned, result)
-        except Exception as exc:
-            if not in_step:
-                C.broadcast_object(Message.abort(exc), self.group)
-            raise
+        result = self._execute(drv, planned, filling)  # inside the step: an error ends the process
+        with self._between_steps():
+            return outputs + drv.finish_step(planned, result, filling.result() if filling else None)
 
-    def _draft(self, guided, scheduled) -> None:
+    def _execute(self, drv: Driver, planned, filling) -> StepResult:
+        """This rank's part of the step; the driver's bitmask rows come from ``filling`` once filled."""
+        slices = (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None
+        return self.runner.execute(planned.plan, slices)
+
+    def _draft(self, guided, requests) -> List[List[int]]:
         from tpguide.speculative.draft_loop import draft_with_head
 
-        draft_with_head(guided, self.driver.stop_token_ids, self.draft_head, self.group, scheduled)
+        return draft_with_head(guided, self.driver.stop_token_ids, self.draft_head, self.group, requests,
+                               send=lambda plan: C.broadcast_object(Message.for_draft(plan), self.group))
 
     def keepalive(self) -> None:
         """Broadcast a HEARTBEAT message (driver): the waiting ranks leave and re-enter their wait."""
@@ -299,12 +299,16 @@ class Engine:
         return [final[i] for i in indices]
 
     @contextlib.contextmanager
-    def _between_steps(self):
-        """Driver code between steps: an exception is sent to the waiting ranks as ABORT, then re-raised."""
+    def _between_steps(self, inside: bool = False):
+        """Driver code between steps: an exception is sent to the waiting ranks as ABORT, then re-raised.
+
+        ``inside``: the code runs collectives after all (no ABORT could be matched): only re-raise.
+        """
         try:
             yield
         except Exception as exc:
-            C.broadcast_object(Message.abort(exc), self.group)
+            if not inside:
+                C.broadcast_object(Message.abort(exc), self.group)
             raise
 
     def _require_driver(self) -> Driver:

@@ -3,21 +3,21 @@
 ``params`` parses a request's guide, ``admission`` builds the xgrammar,
 llguidance or ``auto`` backend for the tokenizer (:func:`make_backend`) and
 admits each guide (fail-closed checks, compile off the step loop),
-``bitmask`` holds ``GuidedDecoder`` (one matcher per slot, fills the
-bitmask), the dead-end check and the per-rank split.  The backends are
+``decoder`` holds ``GuidedDecoder`` (one matcher per slot, fills the
+bitmask), ``bitmask`` the bitmask helpers, the dead-end check and the per-rank split.  The backends are
 imported lazily, so each is only needed when chosen.  Nothing here runs a
 function on import; the names below are re-exported.
 """
 
 from tpguide.guided.admission import BACKENDS, make_backend
 from tpguide.guided.bitmask import (
-    GuidedDecoder,
     allocate_token_bitmask,
     find_dead_end_rows,
     split_bitmask,
     token_ids_to_bitmask_row,
     unpack_bitmask,
 )
+from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, collect_stop_token_ids
 from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsParams
 

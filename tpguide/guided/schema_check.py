@@ -57,12 +57,9 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol
 
 import jsonschema
-
-if TYPE_CHECKING:
-    from tpguide.guided.params import StructuredOutputsParams
 
 #: Work limit (schema nodes visited); beyond it the schema is assumed fine.
 MAX_VISITS = 20_000
@@ -323,12 +320,23 @@ def _validator_of_text(schema_text: str) -> Optional[jsonschema.protocols.Valida
         return None  # the backend compiled it; jsonschema cannot judge it
 
 
-def validate_output(params: StructuredOutputsParams, text: str) -> Optional[str]:
+class Guide(Protocol):
+    """What :func:`validate_output` reads of a guide (a :class:`~tpguide.guided.params.StructuredOutputsParams`,
+    which imports this module to check its schema up front)."""
+
+    guide_type: str
+    guide_text: str
+    regex: Optional[str]
+    choice: Optional[tuple]
+
+
+def validate_output(params: Guide, text: str) -> Optional[str]:
     """Why ``text`` does not satisfy ``params``, or None when it does (or no checker exists).
 
     Parameters
     ----------
-    params : StructuredOutputsParams
+    params : Guide
+        A :class:`~tpguide.guided.params.StructuredOutputsParams`.
     text : str
         The decoded output (special tokens skipped).
 

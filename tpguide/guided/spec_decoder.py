@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from tpguide.guided.bitmask import GuidedDecoder, find_dead_end_rows
+from tpguide.guided.bitmask import find_dead_end_rows
+from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.spec_counters import SlotCounters
 

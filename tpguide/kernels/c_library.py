@@ -23,14 +23,15 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from tpguide.cache import cache_root
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 COMPILE_TIMEOUT_S = 120
 
 
 def cache_dir() -> Path:
     """``$TPGUIDE_CACHE/kernels`` if the variable is set, else ``~/.cache/tpguide/kernels``."""
-    root = os.environ.get("TPGUIDE_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "tpguide") / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> list[str]:

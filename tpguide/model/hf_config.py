@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from tpguide.model.config import SUPPORTED_ARCHITECTURES
+#: HF ``architectures`` entries this package runs (dense, text-only decoders).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 #: ``model_type`` -> architecture, for configs without ``architectures``.
 ARCHITECTURE_BY_MODEL_TYPE = {

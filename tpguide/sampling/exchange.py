@@ -12,7 +12,7 @@ each given ``fn(logits_shard, vocab_shard) -> Tensor`` (one rank's payload):
 
 :class:`ShardsByHand` holds every rank's shard in one process (the oracle of
 shard-by-hand tests and of anyone checking a sharded run);
-:class:`tpguide.worker.runner.GroupExchange` does the same over a
+:class:`tpguide.worker.group_sampling.GroupExchange` does the same over a
 real TP group.
 """
 

@@ -127,7 +127,7 @@ def prompt_logprobs_with_exchange(exchange, target_ids: torch.Tensor, num_top: i
 
 
 def prompt_logprobs_by_hand(logits_shards, target_ids: torch.Tensor, num_top: int, shards) -> PromptLogprobs:
-    """:func:`tpguide.worker.runner.compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
+    """:func:`tpguide.worker.group_sampling.compute_prompt_logprobs` for all ranks in one process (shard-by-hand tests)."""
     for x, s in zip(logits_shards, shards, strict=True):
         check_prompt_inputs(x, target_ids, num_top, s)
     return prompt_logprobs_with_exchange(ShardsByHand(logits_shards, shards), target_ids, num_top,

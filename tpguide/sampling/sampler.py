@@ -464,8 +464,8 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     """Sample one token per row from vocabulary-sharded logits; same result on every rank.
 
     ``exchange`` provides the two collectives (:mod:`tpguide.sampling.exchange`):
-    :class:`~tpguide.worker.runner.GroupExchange` over a real TP group
-    (:func:`tpguide.worker.runner.sample`) or
+    :class:`~tpguide.worker.group_sampling.GroupExchange` over a real TP group
+    (:func:`tpguide.worker.group_sampling.sample`) or
     :class:`~tpguide.sampling.exchange.ShardsByHand` in one process.  Logits
     shards are float32 (fp16/bf16 upcast exactly) ``[rows, V_local]``, bitmask
     applied, padded ids ``-inf``, not modified; the result is on their device.

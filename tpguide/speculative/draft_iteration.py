@@ -31,7 +31,7 @@ class DraftPlan:
         int64 ``[R]``: each request's last token (golden or latest draft).
     seq_slots, context_lens : list of int
         KV slot per row and the tokens cached before it: the token's position
-        (RoPE and KV write, one source as in :class:`~tpguide.worker.runner.StepPlan`).
+        (RoPE and KV write, one source as in :class:`~tpguide.worker.protocol.StepPlan`).
     token_mask : torch.Tensor or None
         int32 ``[R]``, 1 on guided rows; None when no row is guided (then no
         bitmask follows the plan).  Otherwise int32 ``[R, bitmask_size]`` full

@@ -45,9 +45,9 @@ from typing import Callable, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from tpguide.cache import cache_root
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
-from tpguide.model.cache import cache_root
 from tpguide.speculative.draft_lens_calibration import calibration_text, calibration_token_ids, collect_residuals
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,11 @@ the token budget); before the step's plan is built the engine runs up to
              a terminated matcher or its reserved k
 
 then the driver rolls every matcher back by the drafts it advanced
-(draft-side rollback) and replaces the placeholders by the drafts.  The
-verification step is the one of ``ngram`` (:mod:`tpguide.speculative.verify`).
+(draft-side rollback); :func:`draft_with_head` returns the drafts and the
+driver puts them in its step's records.  It imports nothing of the driver
+side or the ranks: the DRAFT message goes out through the ``send`` it is
+given.  The verification step is the one of ``ngram``
+(:mod:`tpguide.speculative.verify`).
 
 Drafts are greedy (deterministic), so the acceptance rule keeps speculative
 output equal to non-speculative output for greedy and seeded sampling alike.
@@ -26,27 +29,47 @@ output equal to non-speculative output for greedy and seeded sampling alike.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Sequence
 
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.dist import group as C
 from tpguide.speculative.draft_head import DraftHead
 from tpguide.speculative.draft_iteration import DraftPlan, run_draft_iteration
-from tpguide.worker.runner import Message
-
-if TYPE_CHECKING:  # the driver's scheduler output; no import at run time
-    from tpguide.engine.scheduler import ScheduledRequest
 
 
-def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup,
-                    scheduled: "List[ScheduledRequest]") -> None:
-    """Replace the :data:`~tpguide.speculative.verify.DRAFT_PENDING` placeholders of ``scheduled`` by drafts (driver; collective).
+@dataclass(frozen=True)
+class DraftRequest:
+    """One decode request's drafting input.
 
-    Afterwards each decode request's ``token_ids`` is ``[golden, d_1 .. d_m]``
-    with ``m <= k`` reserved and ``num_draft_tokens = m``; its matcher is back
-    in the state after ``golden``.
+    Attributes
+    ----------
+    slot : int
+        Its KV-cache slot (and matcher slot).
+    last_token : int
+        The token the step feeds first (the last sampled, "golden" token).
+    position : int
+        Absolute position of ``last_token``.
+    max_drafts : int
+        Draft positions the scheduler reserved (``k``).
+    guided : bool
+        Its matcher masks the drafts.
+    """
+
+    slot: int
+    last_token: int
+    position: int
+    max_drafts: int
+    guided: bool
+
+
+def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, requests: Sequence[DraftRequest],
+                    send: Callable[[DraftPlan], None]) -> List[List[int]]:
+    """The drafts of ``requests`` (driver; collective: ``send`` broadcasts each DRAFT plan to the ranks).
+
+    Returns one list per request, at most ``max_drafts`` long; every matcher
+    is back in the state it had before (after the golden token).
 
     Parameters
     ----------
@@ -60,49 +83,38 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup,
     ValueError
         A matcher cannot roll its drafts back (an engine bug; the step fails).
     """
-    stop_ids = stop_token_ids
-    drafting = [s for s in scheduled if s.num_draft_tokens and not s.request.is_finished]
-    drafts: Dict[int, List[int]] = {id(s): [] for s in drafting}
-    advanced: Dict[int, int] = {id(s): 0 for s in drafting}
-
-    def guided_slot(s: "ScheduledRequest") -> Optional[int]:
-        ok = guided is not None and s.request.structured_output is not None and guided.is_guided(s.slot)
-        return s.slot if ok else None
-
-    active = list(drafting)
+    drafts: List[List[int]] = [[] for _ in requests]
+    advanced = [0] * len(requests)
+    active = list(range(len(requests)))
     while active:
-        slots = [guided_slot(s) for s in active]
+        slots = [requests[i].slot if requests[i].guided else None for i in active]
         token_bitmask = token_mask = None
         if any(slot is not None for slot in slots):
             token_bitmask, token_mask = guided.fill_draft_bitmask(slots)
             token_mask = token_mask.clone()
         plan = DraftPlan(
-            input_ids=torch.tensor([(drafts[id(s)] or s.token_ids[:1])[-1] for s in active], dtype=torch.int64),
-            seq_slots=[s.slot for s in active],
-            context_lens=[s.start_position + len(drafts[id(s)]) for s in active],
+            input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in active], dtype=torch.int64),
+            seq_slots=[requests[i].slot for i in active],
+            context_lens=[requests[i].position + len(drafts[i]) for i in active],
             token_mask=token_mask,
         )
-        C.broadcast_object(Message.for_draft(plan), group)
+        send(plan)
         tokens = run_draft_iteration(head, plan, group, token_bitmask).tolist()
-        still: "List[ScheduledRequest]" = []
-        for s, slot, token in zip(active, slots, tokens):
+        still: List[int] = []
+        for i, slot, token in zip(active, slots, tokens):
             if token < 0:
                 continue
             if slot is not None:
                 if not guided.advance_draft(slot, token):
                     continue
-                advanced[id(s)] += 1
-            drafts[id(s)].append(token)
-            if (token in stop_ids or (slot is not None and guided.is_terminated(slot))
-                    or len(drafts[id(s)]) == s.num_draft_tokens):
+                advanced[i] += 1
+            drafts[i].append(token)
+            if (token in stop_token_ids or (slot is not None and guided.is_terminated(slot))
+                    or len(drafts[i]) == requests[i].max_drafts):
                 continue
-            still.append(s)
+            still.append(i)
         active = still
-    for s in drafting:
-        if advanced[id(s)]:
-            guided.rollback_drafts(s.slot, advanced[id(s)])
-    for s in scheduled:
-        if s.num_draft_tokens:
-            found = drafts.get(id(s), [])
-            s.token_ids = s.token_ids[:1] + found
-            s.num_draft_tokens = len(found)
+    for request, n in zip(requests, advanced):
+        if n:
+            guided.rollback_drafts(request.slot, n)
+    return drafts

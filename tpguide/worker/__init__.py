@@ -1,8 +1,9 @@
 """Every rank's step execution: a plan in, a result value out.
 
 Imports nothing from :mod:`tpguide.engine` (the driver side); the driver
-imports from here.  :mod:`~tpguide.worker.runner` holds the plan channel's
-message type, the sampler bound to the TP group and the step execution;
-:mod:`~tpguide.worker.faults` diagnoses non-finite rows and says what a
-failure does to the other ranks.
+imports from here.  :mod:`~tpguide.worker.protocol`: the plan, result and
+message types both sides use; :mod:`~tpguide.worker.runner`: the step
+execution; :mod:`~tpguide.worker.group_sampling`: the sampler bound to the
+TP group; :mod:`~tpguide.worker.faults`: non-finite rows and what a failure
+does to the other ranks.
 """

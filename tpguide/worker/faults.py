@@ -5,8 +5,8 @@ collectives in the same order):
 
 * **between steps** the other ranks wait in the plan broadcast.  If the
   driver fails there it broadcasts an ABORT message
-  (:class:`tpguide.worker.runner.Message`); every rank raises
-  :class:`~tpguide.worker.runner.DriverAborted` naming the driver's error.
+  (:class:`tpguide.worker.protocol.Message`); every rank raises
+  :class:`~tpguide.worker.protocol.DriverAborted` naming the driver's error.
 * **inside a step** the ranks are somewhere in the step's collectives; no
   message can be matched safely.  The failing process exits; its peers'
   next collective fails (gloo: closed socket, at once; NCCL: the collective

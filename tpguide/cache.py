@@ -2,9 +2,9 @@
 
 Holds the embedded model converted to safetensors (and converted GGUF
 files), the compiled CPU kernel, the draft-head lens and the test tokenizer;
-every user of the cache asks here.  It lives in ``tpguide/model`` because
-the model and kernel caches are its main users; importing it pulls in
-nothing else (``tpguide/model/__init__.py`` imports no module).
+every user of the cache asks here.  It sits at the package's root, below
+every folder (the kernels and the model both import it downward), and
+imports nothing of tpguide.
 """
 
 from __future__ import annotations
