@@ -117,7 +117,25 @@ DEFINE_TILE(tile_f32, float, LOAD_F32)
 DEFINE_TILE(tile_bf16, uint16_t, LOAD_BF16)
 #endif
 
-/* x: fp32 [M, ldx] (unit u reads columns [u*K_unit, (u+1)*K_unit)); w: packed panels
+/* Rows [0, mr) x columns [0, nb) of a tile into out [.., N] at (m0, n0). */
+static inline void store_tile(float (*tile)[NB], float *out, int64_t N, int64_t m0, int64_t n0, int mr, int nb) {
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = tile[r][j];
+}
+
+/* A unit's tile is done: stored as its own partial (unit_out = out + u * M * N), or added to the
+ * running total in unit order (the first unit copied, so no 0 + x). */
+static inline void unit_done(float (*acc)[NB], float (*total)[NB], int64_t u, int64_t sum_units, float *unit_out,
+                             int64_t N, int64_t m0, int64_t n0, int mr, int nb) {
+    if (!sum_units) {
+        store_tile(acc, unit_out, N, m0, n0, mr, nb);
+    } else {
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NB; j++) total[r][j] = u == 0 ? acc[r][j] : total[r][j] + acc[r][j];
+    }
+}
+
+/* x: [M, ldx] fp32 (unit u reads columns [u*K_unit, (u+1)*K_unit)); w: packed panels
  * [U][P = ceil(N / NB)][K_unit][NB] (zero past N), fp32 (w_dtype 0) or bf16 (2); sum_units != 0: out fp32 [M, N] = the units added in order; else out fp32
  * [U, M, N] (one partial per unit).  Returns 0, or -1 for an unknown weight dtype. */
 int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, int64_t w_dtype,
@@ -143,20 +161,9 @@ int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, 
                     tile_f32(mr, xu, ldx, (const float *)w + off, NB, K_unit, NB, acc);
                 else
                     tile_bf16(mr, xu, ldx, (const uint16_t *)w + off, NB, K_unit, NB, acc);
-                if (!sum_units) {
-                    float *o = out + u * M * N;
-                    for (int r = 0; r < mr; r++)
-                        for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = acc[r][j];
-                } else if (u == 0) {
-                    memcpy(total, acc, sizeof(acc));
-                } else {
-                    for (int r = 0; r < MR; r++)
-                        for (int j = 0; j < NB; j++) total[r][j] += acc[r][j];
-                }
+                unit_done(acc, total, u, sum_units, sum_units ? out : out + u * M * N, N, m0, n0, mr, nb);
             }
-            if (sum_units)
-                for (int r = 0; r < mr; r++)
-                    for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = total[r][j];
+            if (sum_units) store_tile(total, out, N, m0, n0, mr, nb);
         }
     }
     return 0;
@@ -523,20 +530,9 @@ int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const ui
                     }
                     _tile_stored(0, &acc[0][0], NB * 4);
                     _tile_stored(1, &acc[0][16], NB * 4);
-                    if (!sum_units) {
-                        float *o = out + u * M * N;
-                        for (int r = 0; r < mr; r++)
-                            for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = acc[r][j];
-                    } else if (u == 0) {
-                        memcpy(total, acc, sizeof(acc));
-                    } else {
-                        for (int r = 0; r < mr; r++)
-                            for (int j = 0; j < NB; j++) total[r][j] += acc[r][j];
-                    }
+                    unit_done(acc, total, u, sum_units, sum_units ? out : out + u * M * N, N, m0, n0, mr, nb);
                 }
-                if (sum_units)
-                    for (int r = 0; r < mr; r++)
-                        for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = total[r][j];
+                if (sum_units) store_tile(total, out, N, m0, n0, mr, nb);
             }
         }
         if (configured != -1) _tile_release();
