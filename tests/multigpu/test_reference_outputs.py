@@ -6,7 +6,9 @@ set of the engine tests (request lines, engine limits, default
 ``max_tokens``) on the tiny random-weight model, and the built-in demo plus
 the real-model requests on the embedded model, with their token ids and
 finish reasons at each tp size.  It is never regenerated from the code it
-checks.
+checks.  The tiny sets run at tp 1, 2 and 4; the embedded model's at tp 1
+and 2: the tiny model has the embedded model's heads (9 query, 3 KV), so
+tp 4 pads them with the same code.
 """
 
 import json
@@ -55,6 +57,6 @@ def test_tiny_model_sets_equal_the_old_engine(tiny_model_path, tp_size):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("tp_size", [1, 2])  # tp 4 pads the same 9 / 3 heads as the tiny model's sets above
 def test_demo_and_real_model_requests_equal_the_old_engine(default_model_path, tp_size):
     _check("default", tp_size, {"default": default_model_path})

@@ -1,9 +1,11 @@
 """bf16 end to end on real gloo ranks: identical token ids and logprobs at tp 1, 2, 3, 4.
 
-The requests are the README demo (``tpguide/engine/demo_requests.py``) and, when the
+The requests are the README demo (``launch/demo_requests.py``) and, when the
 shared bench data is present, ``../shared/bench-data/vllm_fixtures.jsonl``;
 each is run greedy (as written) and once more with seeded sampling, all in
-one engine run per tp size (the fixtures in the ``slow`` set).  The
+one engine run per tp size.  The demo runs at tp 2, 3 and 4; the fixtures
+(the ``slow`` set, without the demo again) at tp 4, the size that pads
+both the heads and the vocabulary, against tp 1.  The
 model is the tiny random Llama with SmolLM2's tokenizer (heads padded at tp 2
 and 4); ``max_tokens`` is capped so one job per tp size stays short.  With
 TP-invariant reductions the logits are bit-identical (``test_tp_invariance``),
@@ -13,6 +15,7 @@ so tokens and logprob values must be equal, not close.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,6 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.demo_requests import DEMO_REQUESTS
 from tpguide.engine.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +32,11 @@ CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len
 
 
 def _demo_requests() -> list:
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from demo_requests import DEMO_REQUESTS
+    finally:
+        sys.path.remove(str(REPO / "launch"))
     return [dict(r) for r in DEMO_REQUESTS]
 
 
@@ -47,45 +54,53 @@ def _outputs_key(outputs: list) -> list:
     return [(o["id"], o["finish_reason"], o["token_ids"], json.dumps(o.get("logprobs"))) for o in outputs]
 
 
-@pytest.fixture(scope="module", params=["demo", pytest.param("demo+vllm_fixtures", marks=pytest.mark.slow)])
-def requests(request):
-    """The demo, and (slow) the demo plus the vLLM fixtures, each greedy and sampled: one engine run per tp size."""
-    demo = _demo_requests()
-    if request.param == "demo":
-        return _with_sampled_copies(demo)
-    if not FIXTURES.is_file():
-        pytest.skip(f"{FIXTURES} not present")
-    return _with_sampled_copies(demo + [json.loads(line) for line in FIXTURES.read_text().splitlines() if line.strip()])
+@pytest.fixture(scope="module")
+def demo():
+    """The demo, greedy and sampled."""
+    return _with_sampled_copies(_demo_requests())
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_path, requests):
-    return generate_on_group(TPGroup(), tiny_model_path, requests, CONFIG)
+def vllm_fixtures():
+    """The vLLM fixtures (not the demo again), greedy and sampled; skips when the shared bench data is absent."""
+    if not FIXTURES.is_file():
+        pytest.skip(f"{FIXTURES} not present")
+    return _with_sampled_copies([json.loads(line) for line in FIXTURES.read_text().splitlines() if line.strip()])
 
 
-def test_reference_generates(reference, requests):
-    assert len(reference) == len(requests)
-    assert sum(len(o["token_ids"]) for o in reference) > 0
-    assert any(o["id"].endswith("-sampled") and o["token_ids"] for o in reference)
+@pytest.fixture(scope="module")
+def demo_reference(tiny_model_path, demo):
+    return generate_on_group(TPGroup(), tiny_model_path, demo, CONFIG)
 
 
-@pytest.mark.parametrize("tp_size", [2, 3, 4])
-def test_bf16_tokens_identical(reference, tiny_model_path, requests, tp_size):
+@pytest.fixture(scope="module")
+def vllm_fixtures_reference(tiny_model_path, vllm_fixtures):
+    return generate_on_group(TPGroup(), tiny_model_path, vllm_fixtures, CONFIG)
+
+
+def _check_identical(reference, tiny_model_path, requests, tp_size):
     results = run_on_ranks(generate_on_group, tp_size, tiny_model_path, requests, CONFIG)
     want = _outputs_key(reference)
     for rank_outputs in results:
         assert _outputs_key(rank_outputs) == want
 
 
-@pytest.fixture(scope="module")
-def demo() -> list:
-    """The demo requests, greedy and sampled (the checks below run on them only, to bound the suite's time)."""
-    return _with_sampled_copies(_demo_requests())
+@pytest.mark.parametrize("name", ["demo", pytest.param("vllm_fixtures", marks=pytest.mark.slow)])
+def test_reference_generates(request, name):
+    requests, reference = request.getfixturevalue(name), request.getfixturevalue(f"{name}_reference")
+    assert len(reference) == len(requests)
+    assert sum(len(o["token_ids"]) for o in reference) > 0
+    assert any(o["id"].endswith("-sampled") and o["token_ids"] for o in reference)
 
 
-@pytest.fixture(scope="module")
-def demo_reference(tiny_model_path, demo):
-    return generate_on_group(TPGroup(), tiny_model_path, demo, CONFIG)
+@pytest.mark.parametrize("tp_size", [2, 3, 4])
+def test_bf16_tokens_identical(demo_reference, tiny_model_path, demo, tp_size):
+    _check_identical(demo_reference, tiny_model_path, demo, tp_size)
+
+
+@pytest.mark.slow
+def test_bf16_tokens_identical_on_the_vllm_fixtures_at_tp4(vllm_fixtures_reference, tiny_model_path, vllm_fixtures):
+    _check_identical(vllm_fixtures_reference, tiny_model_path, vllm_fixtures, 4)
 
 
 def _with_threads(threads: int, fn, *args):
