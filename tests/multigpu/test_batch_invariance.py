@@ -149,7 +149,8 @@ def test_tp1_row_independent_of_batch_chunks_verify_and_threads(references, name
 @pytest.mark.parametrize(("name", "tp_size"), [("tiny", 2), ("tiny", 3), ("tiny", 4), ("embedded", 2)])
 def test_shards_equal_tp1_in_every_case(references, model_dirs, name, tp_size):
     reference = references(name)
-    for rank, res in enumerate(run_on_ranks(_job, tp_size, model_dirs[name], *JOB_ARGS[name])):
+    dtypes, _ = JOB_ARGS[name]  # one thread per rank (tp 1 checks 1 against 2 threads)
+    for rank, res in enumerate(run_on_ranks(_job, tp_size, model_dirs[name], dtypes, (1,), timeout_s=900)):
         _assert_no_differing_cases(res, f"tp {tp_size} rank {rank} {name}")
         start, end = res["range"]
         for key, (alone, _) in ((k, v) for k, v in res.items() if k != "range"):

@@ -1,6 +1,6 @@
 """bf16 end to end on real gloo ranks: identical token ids and logprobs at tp 1, 2, 3, 4.
 
-The requests are the README demo (``launch/demo_requests.py``) and, when the
+The requests are the README demo (``tpguide/engine/demo_requests.py``) and, when the
 shared bench data is present, ``../shared/bench-data/vllm_fixtures.jsonl``;
 each is run greedy (as written) and once more with seeded sampling, all in
 one engine run per tp size.  The demo runs at tp 2, 3 and 4; the fixtures
@@ -15,7 +15,6 @@ so tokens and logprob values must be equal, not close.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,11 +31,8 @@ CONFIG = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len
 
 
 def _demo_requests() -> list:
-    sys.path.insert(0, str(REPO / "launch"))
-    try:
-        from demo_requests import DEMO_REQUESTS
-    finally:
-        sys.path.remove(str(REPO / "launch"))
+    from tpguide.engine.demo_requests import DEMO_REQUESTS
+
     return [dict(r) for r in DEMO_REQUESTS]
 
 
