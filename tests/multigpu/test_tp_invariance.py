@@ -2,8 +2,8 @@
 
 ``torch.equal``, not a tolerance: each rank's logits shard must equal the
 matching slice of the tp-1 logits at the same thread count bit for bit, on a
-tiny random model (9 heads / 3 KV heads: padded at tp 2 and 4) and on the
-embedded SmolLM2-135M, through a prefill step and a mixed step (new prompt,
+tiny random model (9 heads / 3 KV heads: padded at tp 2 and 4; tp 2, 3, 4) and on the
+embedded SmolLM2-135M (tp 3 and 4), through a prefill step and a mixed step (new prompt,
 decode, second prefill chunk).  One spawned job per tp size runs every case.
 """
 
