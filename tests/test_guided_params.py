@@ -27,7 +27,7 @@ def test_from_request(obj, guide_type, text):
     params = StructuredOutputsParams.from_request(obj)
     assert params.guide_type == guide_type
     assert params.guide_text == text
-    assert params.cache_key == (guide_type, text)
+    assert params.cache_key() == (guide_type, text, ("strict", True), ("json_whitespace", None))
     hash(params)
 
 
@@ -41,7 +41,7 @@ def test_from_request_none_and_choice_tuple():
 
 def test_schema_key_order_is_kept_in_cache_key():
     reordered = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
-    assert StructuredOutputsParams(json=SCHEMA).cache_key != StructuredOutputsParams(json=reordered).cache_key
+    assert StructuredOutputsParams(json=SCHEMA).cache_key() != StructuredOutputsParams(json=reordered).cache_key()
 
 
 @pytest.mark.parametrize(

@@ -29,9 +29,11 @@ guarantee the guide.**  Order: xgrammar (precomputed masks, the faster matcher),
 backend is taken when it enforces every keyword the schema uses, compiles the
 guide, and its first mask allows a token (:func:`admit`).
 If neither can, the request is refused with both reasons.  The choice is a
-pure function of the guide and the installed backends, so every run makes the
-same one; only the driver chooses (the other ranks never see grammars).  The
-output line names the backend that ran (``"guided_backend"``).
+pure function of the guide, its options (``strict``, the whitespace mode) and
+the installed backends, so every run makes the same one; it is cached under
+:meth:`~tpguide.guided.matcher.GuidedBackend.cache_key`, which holds them all.
+Only the driver chooses (the other ranks never see grammars).  The output
+line names the backend that ran (``"guided_backend"``).
 
 A ``grammar`` guide goes by its syntax, not by trial: GBNF (it has ``::=``)
 only to xgrammar, Lark only to llguidance, so a GBNF syntax error is
@@ -286,14 +288,18 @@ class AutoBackend(GuidedBackend):
         self.unavailable = dict(unavailable or {})
 
     def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
-        """The first backend's admitted compilation (cached by ``params.cache_key``).
+        """The first backend's admitted compilation, cached by :meth:`cache_key`.
+
+        The key holds ``strict``: an entry is an admission, and one made best
+        effort (``strict: false`` skips the fail-closed checks) must never
+        admit a strict request for the same guide.
 
         Raises
         ------
         GuideRefused
             No backend can guarantee ``params``; the message gives each backend's reason.
         """
-        key = (self.name,) + params.cache_key  # the key is_cached() looks up
+        key = self.cache_key(params)  # the key is_cached() looks up
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -306,10 +312,7 @@ class AutoBackend(GuidedBackend):
                 reasons.append(f"{name}: {exc}")
                 continue
             result = AutoCompiled(name, backend, compiled)
-            with self._lock:
-                self._cache[key] = result
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            self._remember(key, result)
             return result
         raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
 

@@ -2,9 +2,10 @@
 
 docs/architecture.md §5.  **The interfaces.**  A backend compiles a guide
 (:class:`~tpguide.guided.params.StructuredOutputsParams`) once per distinct
-``(backend, guide_type, guide_text)`` and hands out one stateful matcher per
-request.  Both backends (xgrammar, llguidance) present
-the same matcher semantics, which the engine relies on:
+:meth:`GuidedBackend.cache_key` (backend, guide type and text, ``strict``,
+whitespace mode) and hands out one stateful matcher per request.  Both
+backends (xgrammar, llguidance) present the same matcher semantics, which the
+engine relies on:
 
 * ``accept_token`` returns False on a token the grammar forbids and leaves the
   state unchanged (llguidance would poison its matcher; the adapter checks first).
@@ -43,7 +44,7 @@ from typing import Any, Hashable, Iterable, Union
 import torch
 
 from tpguide.guided.bitmask import token_ids_to_bitmask_row
-from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, StructuredOutputsParams
+from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, JSON_GUIDE_TYPES, StructuredOutputsParams
 
 
 class GrammarMatcher(abc.ABC):
@@ -133,10 +134,20 @@ class GuidedBackend(abc.ABC):
         self._cache: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """Compiled form of ``params``, from the LRU cache when seen before.
+    def cache_key(self, params: StructuredOutputsParams) -> tuple:
+        """The key of ``params`` in this backend's cache (docs/architecture.md §5).
 
-        The cache key is ``(backend name, guide_type, guide_text)``.
+        ``(backend name, guide_type, guide_text, ("strict", strict),
+        ("json_whitespace", mode))``: the name of the backend asked
+        (``xgrammar``, ``llguidance``, or ``auto``, whose entry records the
+        backend it chose), then every request field that changes admission or
+        compilation (:meth:`StructuredOutputsParams.cache_key`), the whitespace
+        mode resolved against this backend's default.
+        """
+        return (self.name,) + params.cache_key(self.json_whitespace)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """Compiled form of ``params``, from the LRU cache (keyed by :meth:`cache_key`) when seen before.
 
         Raises
         ------
@@ -144,7 +155,7 @@ class GuidedBackend(abc.ABC):
             Invalid schema/regex/grammar/tag, or a guide type this backend does
             not support (the message says which backend does).
         """
-        key = (self.name,) + params.cache_key
+        key = self.cache_key(params)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -154,22 +165,26 @@ class GuidedBackend(abc.ABC):
                 f"guide type {params.guide_type!r} is not supported by the {self.name} backend "
                 f"(supported: {sorted(self.supported_guide_types)})"
             )
-        if params.guide_type in ("json_schema", "json"):
+        if params.guide_type in JSON_GUIDE_TYPES:
             compiled = self._compile(params.guide_type, params.guide_text,
-                                     json_whitespace=params.json_whitespace or self.json_whitespace)
+                                     json_whitespace=params.json_whitespace_or(self.json_whitespace))
         else:
             compiled = self._compile(params.guide_type, params.guide_text)
+        self._remember(key, compiled)
+        return compiled
+
+    def _remember(self, key: Hashable, value: Any) -> None:
+        """Put ``value`` in the cache under ``key`` (most recent), evicting the least recently used beyond the size."""
         with self._lock:
-            self._cache[key] = compiled
+            self._cache[key] = value
             self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return compiled
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         """True if ``params`` is compiled in the cache (a :meth:`compile` now would be a hit)."""
         with self._lock:
-            return (self.name,) + params.cache_key in self._cache
+            return self.cache_key(params) in self._cache
 
     @abc.abstractmethod
     def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:

@@ -102,8 +102,11 @@ GUIDE_TYPES = ("json_schema", "regex", "choice", "grammar", "json", "structural_
 
 _GUIDE_TYPE_OF_KEY = dict(zip(GUIDE_KEYS, GUIDE_TYPES))
 
-#: Options accepted beside the guide key.
+#: Options accepted beside the guide key (each is part of :meth:`StructuredOutputsParams.cache_key`).
 OPTION_KEYS = ("strict", "json_whitespace")
+
+#: Guide types that take a whitespace mode.
+JSON_GUIDE_TYPES = ("json_schema", "json")
 
 #: The JSON schema that ``json_object`` stands for (vLLM's semantics: any JSON object).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -167,8 +170,9 @@ class StructuredOutputsParams:
 
     Notes
     -----
-    Equality and hashing go through :attr:`cache_key`, so params holding a
-    schema dict are hashable.
+    Equality and hashing go through :meth:`cache_key`, so params holding a
+    schema dict are hashable, and params that differ in ``strict`` or
+    ``json_whitespace`` are different params.
     """
 
     json: Optional[Union[dict, str]] = None
@@ -238,10 +242,10 @@ class StructuredOutputsParams:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StructuredOutputsParams):
             return NotImplemented
-        return self.cache_key == other.cache_key
+        return self.cache_key() == other.cache_key()
 
     def __hash__(self) -> int:
-        return hash(self.cache_key)
+        return hash(self.cache_key())
 
     @property
     def guide_key(self) -> str:
@@ -262,16 +266,32 @@ class StructuredOutputsParams:
         """
         return self._text
 
-    @property
-    def cache_key(self) -> tuple:
-        """Hashable ``(guide_type, guide_text[, json_whitespace])``; backends prepend their name.
+    def json_whitespace_or(self, default: Optional[str]) -> Optional[str]:
+        """The whitespace mode this guide compiles with: its ``json_whitespace``, else ``default``.
 
-        ``json_whitespace`` is part of the key only when set (it changes the
-        compiled grammar); ``strict`` never is (it changes admission only).
+        None for a guide that is not JSON (``json_schema`` or ``json``), which
+        has no whitespace mode.
         """
-        if self.json_whitespace is None:
-            return (self.guide_type, self._text)
-        return (self.guide_type, self._text, self.json_whitespace)
+        if self.guide_type not in JSON_GUIDE_TYPES:
+            return None
+        return self.json_whitespace or default
+
+    def cache_key(self, default_json_whitespace: Optional[str] = None) -> tuple:
+        """Hashable key of everything in the request that changes admission or compilation.
+
+        ``(guide_type, guide_text, ("strict", strict), ("json_whitespace", mode))``: one
+        ``(name, value)`` pair per option of :data:`OPTION_KEYS`, so a new
+        per-request option joins the key.  ``strict`` changes admission (a
+        best-effort admission must never stand for a strict one), the whitespace
+        mode the compiled grammar.  ``mode`` is :meth:`json_whitespace_or` of
+        ``default_json_whitespace``: a backend passes its own default
+        (:meth:`~tpguide.guided.matcher.GuidedBackend.cache_key` prepends its name),
+        so a request that leaves the mode unset and one that names the same mode
+        share an entry.  docs/architecture.md §5.
+        """
+        options = {name: getattr(self, name) for name in OPTION_KEYS}
+        options["json_whitespace"] = self.json_whitespace_or(default_json_whitespace)
+        return (self.guide_type, self._text) + tuple(options.items())
 
     @classmethod
     def from_request(cls, obj: Optional[dict]) -> Optional["StructuredOutputsParams"]:
