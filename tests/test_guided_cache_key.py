@@ -16,12 +16,12 @@ import re
 
 import httpx
 import pytest
+from guided_testing import load_test_backend
+from server_process import ServerProcess
 
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig, generate_on_group
 from tpguide.guided.params import MAX_BOUNDED_WHITESPACE, StructuredOutputsParams
-from tpguide.guided.testing import load_test_backend
-from tpguide.serving.testing import ServerProcess
 
 BACKENDS = ("auto", "xgrammar", "llguidance")
 ORDERS = ("best-first", "strict-first")
