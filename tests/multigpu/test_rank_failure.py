@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig, generate_on_group
 
@@ -28,9 +30,11 @@ GOOD = [{"id": f"r{i}", "prompt": f"Story {i}:", "max_tokens": 20} for i in rang
 GOOD[2]["structured_output"] = {"regex": r"[a-z]{3,12}"}
 LINES = [json.dumps(GOOD[0]), "{not json", *map(json.dumps, GOOD[1:4]),
          json.dumps({"id": "bad-field", "prompt": "x", "colour": 1}), *map(json.dumps, GOOD[4:])]
-#: generate.py flags and the same limits for the in-process reference run
-FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-model-len", "128", "--quiet"]
-CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+#: generate.py flags and the same limits and dtype for the in-process reference run (``--dtype auto``
+#: would pick bf16 on a CPU with AVX512_BF16 or AMX)
+FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-model-len", "128", "--dtype", "float32",
+         "--quiet"]
+CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, dtype=torch.float32)
 KILL_STEP = 30  # of about 65 steps: requests finished before, others running and waiting
 
 
