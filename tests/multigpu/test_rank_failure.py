@@ -63,7 +63,9 @@ def test_killed_rank_stops_the_job_and_resume_completes_it(tiny_model_path, tmp_
     print(f"job exited {exit_s:.2f} s after rank 1 died, rc={rc}")
     assert died_at is not None, stderr
     assert rc != 0 and exit_s < 60, stderr
-    assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\)", stderr, re.S), stderr
+    # torchrun's summary reports the dead rank with its exit code, as the root cause or (when rank 0's
+    # own failure reached torchrun first, which happens on a loaded machine) among the other failures
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*1", stderr), stderr
     assert "[rank 1] TPGUIDE_FAULT_INJECT: exiting at step" in stderr
     assert not output.exists()
     streamed = [json.loads(line) for line in partial.read_text().splitlines()]
