@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -15,6 +16,10 @@ def in_collective(exc: BaseException) -> bool:
         return True
     return any("torch/distributed/" in frame.filename.replace(os.sep, "/")
                for frame in traceback.extract_tb(exc.__traceback__))
+
+
+#: Seconds a rank waits, after printing a startup error under torchrun, before it exits.
+STARTUP_ERROR_GRACE_S = 1.0
 
 
 def run_main(main, argv=None) -> int:
@@ -32,6 +37,10 @@ def run_main(main, argv=None) -> int:
         return main(argv)
     except (ValueError, FileNotFoundError, DriverAborted) as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # every rank meets a startup error at about the same moment; the first to exit makes
+            # torchrun stop the others, so give them a moment to print their own line first
+            time.sleep(STARTUP_ERROR_GRACE_S)
     except Exception as exc:  # noqa: BLE001 - every failure exits 1
         if in_collective(exc):
             first = (str(exc).strip().splitlines() or [""])[0]
