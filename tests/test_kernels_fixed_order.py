@@ -85,6 +85,7 @@ def test_linear_rejects_bad_inputs():
 
 
 def _cache_and_queries(dtype, lens, heads=4, kv_heads=2, d=24, length=40, seed=7):
+    """``q [T, H, D]``, dense caches ``[S, length, Hkv, D]``, per-token slots and positions (whole prompts)."""
     k_cache, v_cache = randn(len(lens), length, kv_heads, d, seed=seed, dtype=dtype), \
         randn(len(lens), length, kv_heads, d, seed=seed + 1, dtype=dtype)
     slots = torch.tensor([s for s, n in enumerate(lens) for _ in range(n)])
@@ -107,26 +108,65 @@ def _sdpa_oracle(q, k_cache, v_cache, slots, pos, scale, window=None, softcap=No
     return torch.stack(out).float()
 
 
+def _dense(q, kc, vc, slots, pos, *args):
+    """The kernel on a dense slot cache: one block of ``max_model_len`` positions per slot."""
+    return attention_fixed_order(q, kc, vc, torch.arange(kc.shape[0])[:, None], slots, pos, *args)
+
+
+def _paged(kc, block_size, seed=3):
+    """The dense cache ``[S, L, Hkv, D]`` scattered into shuffled blocks: ``(pool, block_tables)``."""
+    s, length = kc.shape[:2]
+    per_seq = length // block_size
+    perm = torch.randperm(s * per_seq + 5, generator=torch.Generator().manual_seed(seed))[:s * per_seq]
+    pool = torch.zeros(s * per_seq + 5, block_size, *kc.shape[2:], dtype=kc.dtype)
+    pool[perm] = kc.reshape(s * per_seq, block_size, *kc.shape[2:])
+    return pool, perm.view(s, per_seq)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 2.0)])
 def test_attention_matches_oracle(dtype, window, softcap):
     q, kc, vc, slots, pos = _cache_and_queries(dtype, [9, 3, 17])
-    got = attention_fixed_order(q, kc, vc, slots, pos, 0.2, window, softcap)
+    got = _dense(q, kc, vc, slots, pos, 0.2, window, softcap)
     torch.testing.assert_close(got, _sdpa_oracle(q, kc, vc, slots, pos, 0.2, window, softcap), atol=1e-5, rtol=1e-5)
 
 
-def test_attention_token_is_independent_of_its_batch_and_threads():
-    q, kc, vc, slots, pos = _cache_and_queries(torch.bfloat16, [9, 3, 17])
-    full = attention_fixed_order(q, kc, vc, slots, pos, 0.2)
-    for idx in ([4], [12, 4], [20, 0, 4]):
-        assert torch.equal(attention_fixed_order(q[idx], kc, vc, slots[idx], pos[idx], 0.2), full[idx])
-    assert torch.equal(with_threads(1, attention_fixed_order, q, kc, vc, slots, pos, 0.2), full)
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "window"), [(9, 3, 64, None), (6, 2, 96, 37), (4, 4, 130, None)])
+def test_attention_long_sequences_match_oracle(heads, kv_heads, d, window):
+    """Several score blocks of 64 keys, head dims past one 64-wide P V block, query groups of 1 and 3."""
+    q, kc, vc, slots, pos = _cache_and_queries(torch.float32, [150, 1, 70], heads, kv_heads, d, length=160)
+    got = _dense(q, kc, vc, slots, pos, 0.1, window)
+    torch.testing.assert_close(got, _sdpa_oracle(q, kc, vc, slots, pos, 0.1, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_paged_equals_dense(dtype):
+    q, kc, vc, slots, pos = _cache_and_queries(dtype, [150, 1, 70], 9, 3, 64, length=160)
+    kp, tables = _paged(kc, 16)
+    vp, tables_v = _paged(vc, 16)
+    assert torch.equal(tables, tables_v)
+    dense = _dense(q, kc, vc, slots, pos, 0.1, 37)
+    assert torch.equal(attention_fixed_order(q, kp, vp, tables, slots, pos, 0.1, 37), dense)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_token_is_independent_of_its_batch_and_threads(dtype):
+    q, kc, vc, slots, pos = _cache_and_queries(dtype, [9, 3, 130], 9, 3, 64, length=140)
+    full = _dense(q, kc, vc, slots, pos, 0.2)
+    for idx in ([4], [12, 4], [20, 0, 4], list(range(12, 12 + 7)), list(range(12 + 100, 142)), [141]):
+        assert torch.equal(_dense(q[idx], kc, vc, slots[idx], pos[idx], 0.2), full[idx])
+    assert torch.equal(with_threads(1, _dense, q, kc, vc, slots, pos, 0.2), full)
+    windowed = _dense(q, kc, vc, slots, pos, 0.2, 21)
+    for idx in ([141], list(range(50, 57)), [3, 140]):
+        assert torch.equal(_dense(q[idx], kc, vc, slots[idx], pos[idx], 0.2, 21), windowed[idx])
 
 
 def test_attention_rejects_positions_outside_the_cache():
     q, kc, vc, slots, pos = _cache_and_queries(torch.float32, [2])
     with pytest.raises(ValueError, match=r"token positions must lie in \[0, 40\)"):
-        attention_fixed_order(q, kc, vc, slots, pos + 40, 0.2)
+        _dense(q, kc, vc, slots, pos + 40, 0.2)
+    with pytest.raises(ValueError, match=r"read blocks in \[0, 1\)"):
+        attention_fixed_order(q, kc, vc, torch.tensor([[3]]), slots, pos, 0.2)
 
 
 def test_mean_square_and_unary_match_torch_and_do_not_depend_on_size():

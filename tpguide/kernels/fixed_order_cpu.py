@@ -13,10 +13,11 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   CPU with AMX: one ``TDPBF16PS`` per 32-wide k tile, k tiles ascending, the
   hardware's fixed order inside a tile (a tile's rows are independent), on
   weights packed in pairs (VNNI).
-* **attention**: per query token and head, each score an fma chain over the
-  head dim (one key per vector lane), softmax with a pure-arithmetic ``exp``
-  (the same bits vectorised or not) summed in key order, ``P V`` as an fma
-  chain in key order.
+* **attention** (over a paged or dense KV cache): per query token and head,
+  each score an fma chain over the head dim (one key per vector lane),
+  softmax with a pure-arithmetic ``exp`` (the same bits vectorised or not)
+  summed in 16 lanes by key index then a fixed tree, ``P V`` as an fma chain
+  in key order; register blocks of 4 query rows share the key loads.
 * **RMS statistics**: the same fixed dot product of a row with itself, over ``D``.
 * **element-wise functions**: SiLU from the pure-arithmetic ``exp``
   (vectorised, the scalar bits), tanh-GELU, soft-capping, cos and sin by
@@ -126,8 +127,8 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_linear_units.restype = ctypes.c_int
                 lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
                 lib.tpguide_sum_units.restype = None
-                lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                                                  _f32, _i64, _f32, _ptr, _ptr, _i64)
+                lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                                                  _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr, _ptr, _i64)
                 lib.tpguide_attention.restype = ctypes.c_int
                 lib.tpguide_attention_scratch_floats.argtypes = (_i64, _i64)
                 lib.tpguide_attention_scratch_floats.restype = _i64
@@ -266,24 +267,36 @@ def sum_units_fixed_order(partials: torch.Tensor) -> torch.Tensor:
 
 
 def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          token_slots: torch.Tensor, token_positions: torch.Tensor, scale: float,
+                          block_tables: torch.Tensor, token_seq_index: torch.Tensor,
+                          token_positions: torch.Tensor, scale: float,
                           sliding_window: Optional[int] = None,
                           logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention of each query token over its sequence's cached keys, in the fixed order.
 
-    Token ``t`` (query head ``h``, KV head ``h // (H / Hkv)``) attends cache
-    positions ``j`` of slot ``token_slots[t]`` with
+    Token ``t`` (query head ``h``, KV head ``h // (H / Hkv)``) of sequence
+    ``s = token_seq_index[t]`` attends cache positions ``j`` with
     ``max(0, p - sliding_window + 1) <= j <= p``, ``p = token_positions[t]``;
-    its keys and values must already be in the cache.
+    position ``j`` lives in block ``block_tables[s, j // block_size]``, row
+    ``j % block_size``, and must already be written.  A dense per-slot cache
+    ``[num_slots, max_model_len, Hkv, D]`` is the case ``block_size =
+    max_model_len`` with ``block_tables = slots[:, None]``.  A sequence's tokens
+    must be consecutive in ``q`` with ascending positions (the flattened batch).
+
+    The order of every output element (docs/architecture.md §6): scores as fma
+    chains over the head dim, a pure-arithmetic ``exp``, the softmax sum in 16
+    lanes by key index then a fixed tree, ``P V`` as fma chains in key order;
+    nothing depends on the other tokens, the batch, the block layout or the threads.
 
     Parameters
     ----------
     q : torch.Tensor
         ``[T, H, D]`` fp32 or bf16 (tokens, query heads, head dim), ``D <= 512``.
     k_cache, v_cache : torch.Tensor
-        ``[num_slots, max_model_len, Hkv, D]``, contiguous, ``q``'s dtype.
-    token_slots, token_positions : torch.Tensor
-        int64 ``[T]``.
+        ``[num_blocks, block_size, Hkv, D]``, contiguous, ``q``'s dtype.
+    block_tables : torch.Tensor
+        integer ``[num_seqs, max_blocks]``: block ids of each sequence's positions.
+    token_seq_index, token_positions : torch.Tensor
+        integer ``[T]``: the row of ``block_tables`` and the position of each token.
     scale : float
         Multiplies ``q . k``.
     sliding_window : int, optional
@@ -298,11 +311,12 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Raises
     ------
     ValueError
-        Mismatched dtypes or shapes, ``D > 512``, or a position outside the cache.
+        Mismatched dtypes or shapes, ``D > 512``, a position outside the block
+        table, or a block id outside ``[0, num_blocks)``.
     """
     code = _dtype_code(q, "q")
     t, h, d = q.shape
-    slots_, length, hkv, dk = k_cache.shape
+    num_blocks, block_size, hkv, dk = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match k/v caches {tuple(k_cache.shape)} "
                          f"{k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
@@ -311,20 +325,26 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"group of at most {MAX_ROWS} query heads needed")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    tables = block_tables.to(torch.int64).contiguous()
+    num_seqs, max_blocks = tables.shape
     qc = q.contiguous()
-    slots = token_slots.to(torch.int64).contiguous()
+    seq = token_seq_index.to(torch.int64).contiguous()
     pos = token_positions.to(torch.int64).contiguous()
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    if not t:
+        return out
+    length = int(pos.max()) + 1
     threads = _threads()
     lib = _LIB or _load()
-    scores = torch.empty(threads, lib.tpguide_attention_scratch_floats(length, d), dtype=torch.float32)
-    out = torch.empty(t, h, d, dtype=torch.float32)
-    if t:
-        status = lib.tpguide_attention(
-            qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, slots.data_ptr(), pos.data_ptr(),
-            t, h, hkv, d, length, float(scale), int(sliding_window or 0), float(logit_softcap or 0.0),
-            scores.data_ptr(), out.data_ptr(), threads)
-        if status != 0:
-            raise ValueError(f"token positions must lie in [0, {length}), got {token_positions.tolist()}")
+    scratch = torch.empty(threads, lib.tpguide_attention_scratch_floats(length, d), dtype=torch.float32)
+    status = lib.tpguide_attention(
+        qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, tables.data_ptr(), num_seqs, max_blocks,
+        block_size, num_blocks, seq.data_ptr(), pos.data_ptr(), t, h, hkv, d, length, float(scale),
+        int(sliding_window or 0), float(logit_softcap or 0.0), scratch.data_ptr(), out.data_ptr(), threads)
+    if status != 0:
+        raise ValueError(f"token positions must lie in [0, {max_blocks * block_size}) (max_blocks={max_blocks} x "
+                         f"block_size={block_size}) and read blocks in [0, {num_blocks}), and token_seq_index in "
+                         f"[0, {num_seqs}); got positions {pos.tolist()}, sequences {seq.tolist()}")
     return out
 
 

@@ -223,8 +223,9 @@ class Attention(nn.Module):
         self.k_cache[slots, pos] = k
         self.v_cache[slots, pos] = v
         if self.fixed_order and not q.is_cuda:
-            out = attention_fixed_order(q, self.k_cache, self.v_cache, slots, pos, self.scale,
-                                        self.sliding_window, self.logit_softcap)  # fp32 [T, H, D]
+            # a dense slot cache is one block of max_model_len positions per sequence
+            out = attention_fixed_order(q, self.k_cache, self.v_cache, meta.seq_slots.view(-1, 1), seq, pos,
+                                        self.scale, self.sliding_window, self.logit_softcap)  # fp32 [T, H, D]
             return out.to(q.dtype).flatten(1)
 
         num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len

@@ -290,69 +290,227 @@ static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
     for (; i < hi; i++) out[i] = silu_fixed(x[i]);
 }
 
-/* Causal attention of T query tokens over a dense per-slot KV cache.
- * q: [T, H, D] (dtype), k_cache/v_cache: [slots, L, Hkv, D] (dtype), token_slot/token_pos: int64 [T]
- * (a sequence's tokens consecutive, positions ascending, as the flattened batch has them).
- * Token t, head h reads KV head h / (H / Hkv) at cache positions j in [lo, pos_t], lo = 0 or
- * pos_t - window + 1.  Per (t, h): s_j = (fmaf chain over d ascending of q[d] * k_j[d]) * scale
- * (soft-capped if softcap > 0), m = max_j s_j, p_j = exp_nonpositive(s_j - m), l = sum of p_j in
- * j order, o[d] = fmaf chain of p_j * v_j[d] in j order, out = o / l.
- * Work items are runs of consecutive tokens of one sequence times the query heads of one KV head;
- * an item widens its keys (transposed, [D][J]) and values ([J][D]) once, then each row computes
- * 16 scores at a time, one key per lane, so the order of every element is the one above whatever
- * the vector width.  scratch: fp32 [num_threads, attention_scratch_floats(L, D)].
+/* Causal attention of T query tokens over a paged KV cache.
+ * q: [T, H, D] (dtype); k_cache/v_cache: [num_blocks, block_size, Hkv, D] (dtype); block_tables:
+ * int64 [num_seqs, max_blocks], cache position j of sequence s lives in block
+ * block_tables[s][j / block_size] at row j % block_size (a dense per-slot cache is block_size =
+ * max_model_len and one block, the slot, per sequence); token_seq / token_pos: int64 [T], a
+ * sequence's tokens consecutive with positions ascending, as the flattened batch has them.
+ * Token t, head h reads KV head h / (H / Hkv) at positions j in [lo, pos_t], lo = 0 or
+ * pos_t - window + 1.  Per (t, h):
+ *   s_j = (fmaf chain over d ascending of q[d] * k_j[d]) * scale (soft-capped if softcap > 0),
+ *   m = max_j s_j, p_j = exp_nonpositive(s_j - m),
+ *   l = 16 lane sums (lane j % 16 adds its p_j in ascending j) added as the fixed binary tree,
+ *   o[d] = fmaf chain of p_j * v_j[d] in ascending j,  out = o / l.
+ * Work items are runs of consecutive tokens of one sequence times the query heads of one KV head.
+ * An item widens its keys (transposed, [D][J]) and values ([J][D]) once, from a 16-aligned first
+ * key, then computes register blocks of 4 rows x 64 keys (scores) and 4 rows x 64 dims (P V).  A
+ * block covers the union of its rows' key ranges; a row's p_j outside its own range are exact zeros,
+ * which leave its lane sums and fma chains unchanged (x + 0 = x, fmaf(0, v, o) = o), so every
+ * element is the one above whatever the item, the batch, the vector width or the thread.
+ * scratch: fp32 [num_threads, attention_scratch_floats(L, D)], L = largest position + 1.
  * out: fp32 [T, H, D].  dtype: 0 fp32, 2 bf16.  Returns 0, or -1 for bad arguments. */
 #define KEYS 16
-static int64_t padded_keys(int64_t L) { return (L + KEYS - 1) / KEYS * KEYS; }
+#define RB 4         /* query rows per register block */
+#define KB 4         /* key vectors (of KEYS) per score block */
+#define DB 4         /* head-dim vectors (of 16) per P V block */
+#define KEY_GROUP (KB * KEYS)
 
-/* acc[l] = fmaf chain over d of q[d] * kt[d * ld + l], l < KEYS: one key per lane, explicit vectors
- * (compilers turn the portable loop into 16 scalar chains). */
-static inline void scores16(const float *q, const float *kt, int64_t ld, int64_t D, float acc_out[KEYS]) {
+/* Widened keys per item: from a 16-aligned first key, rounded up to whole score blocks. */
+static int64_t padded_keys(int64_t L) { return (L + KEYS - 1 + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP; }
+
+int64_t tpguide_attention_scratch_floats(int64_t L, int64_t D) {
+    const int64_t jp = padded_keys(L);
+    return 2 * jp * D + MAX_ROWS * jp + MAX_ROWS * D;
+}
+
+/* s[r][l + 16 b] = fma chain over d of q[r][d] * kt[d * ld + 16 b + l], r < rb, b < kb. */
+static inline __attribute__((always_inline)) void score_block(const float *q, int64_t D, const float *kt, int64_t ld,
+                                                              float *s, int64_t lds, int rb, int kb) {
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * ld), acc);
-    _mm512_storeu_ps(acc_out, acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m512 acc[RB][KB];
+    for (int r = 0; r < rb; r++)
+        for (int b = 0; b < kb; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
-        const __m256 qd = _mm256_set1_ps(q[d]);
-        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * ld), a0);
-        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * ld + 8), a1);
+        __m512 k[KB];
+        for (int b = 0; b < kb; b++) k[b] = _mm512_loadu_ps(kt + d * ld + b * KEYS);
+        for (int r = 0; r < rb; r++) {
+            const __m512 qd = _mm512_set1_ps(q[r * D + d]);
+            for (int b = 0; b < kb; b++) acc[r][b] = _mm512_fmadd_ps(qd, k[b], acc[r][b]);
+        }
     }
-    _mm256_storeu_ps(acc_out, a0);
-    _mm256_storeu_ps(acc_out + 8, a1);
+    for (int r = 0; r < rb; r++)
+        for (int b = 0; b < kb; b++) _mm512_storeu_ps(s + r * lds + b * KEYS, acc[r][b]);
 #else
-    for (int l = 0; l < KEYS; l++) acc_out[l] = 0.0f;
+    float acc[RB][KEY_GROUP];
+    for (int r = 0; r < rb; r++)
+        for (int l = 0; l < kb * KEYS; l++) acc[r][l] = 0.0f;
     for (int64_t d = 0; d < D; d++)
-        for (int l = 0; l < KEYS; l++) acc_out[l] = fmaf(q[d], kt[d * ld + l], acc_out[l]);
+        for (int r = 0; r < rb; r++)
+            for (int l = 0; l < kb * KEYS; l++) acc[r][l] = fmaf(q[r * D + d], kt[d * ld + l], acc[r][l]);
+    for (int r = 0; r < rb; r++)
+        for (int l = 0; l < kb * KEYS; l++) s[r * lds + l] = acc[r][l];
 #endif
 }
 
-int64_t tpguide_attention_scratch_floats(int64_t L, int64_t D) {
-    return 2 * padded_keys(L) * D + MAX_ROWS * padded_keys(L);
+/* o[r][d0 + e] = fma chain over j in [j0, j1] of p[r][j] * vf[j][d0 + e], e < dn <= 16 nv, r < rb. */
+static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ldp, const float *vf, int64_t D,
+                                                           int64_t d0, int64_t dn, int64_t j0, int64_t j1, float *o,
+                                                           int rb, int nv) {
+#if defined(__AVX512F__)
+    __mmask16 mask[DB];
+    for (int b = 0; b < nv; b++) {
+        const int64_t left = dn - 16 * b;
+        mask[b] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    }
+    __m512 acc[RB][DB];
+    for (int r = 0; r < rb; r++)
+        for (int b = 0; b < nv; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t j = j0; j <= j1; j++) {
+        __m512 v[DB];
+        for (int b = 0; b < nv; b++) v[b] = _mm512_maskz_loadu_ps(mask[b], vf + j * D + d0 + 16 * b);
+        for (int r = 0; r < rb; r++) {
+            const __m512 pj = _mm512_set1_ps(p[r * ldp + j]);
+            for (int b = 0; b < nv; b++) acc[r][b] = _mm512_fmadd_ps(pj, v[b], acc[r][b]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int b = 0; b < nv; b++) _mm512_mask_storeu_ps(o + r * D + d0 + 16 * b, mask[b], acc[r][b]);
+#else
+    (void)nv;
+    float acc[RB][16 * DB];
+    for (int r = 0; r < rb; r++)
+        for (int64_t e = 0; e < dn; e++) acc[r][e] = 0.0f;
+    for (int64_t j = j0; j <= j1; j++)
+        for (int r = 0; r < rb; r++) {
+            const float pj = p[r * ldp + j];
+            for (int64_t e = 0; e < dn; e++) acc[r][e] = fmaf(pj, vf[j * D + d0 + e], acc[r][e]);
+        }
+    for (int r = 0; r < rb; r++)
+        for (int64_t e = 0; e < dn; e++) o[r * D + d0 + e] = acc[r][e];
+#endif
+}
+
+/* Constant rb / kb for the register blocks (always_inline unrolls them). */
+static void score_block_any(const float *q, int64_t D, const float *kt, int64_t ld, float *s, int64_t lds, int rb,
+                            int kb) {
+#define SB(R)                                                                  \
+    switch (kb) {                                                              \
+    case 1: score_block(q, D, kt, ld, s, lds, R, 1); break;                    \
+    case 2: score_block(q, D, kt, ld, s, lds, R, 2); break;                    \
+    case 3: score_block(q, D, kt, ld, s, lds, R, 3); break;                    \
+    default: score_block(q, D, kt, ld, s, lds, R, 4); break;                   \
+    }
+    switch (rb) {
+    case 1: SB(1); break;
+    case 2: SB(2); break;
+    case 3: SB(3); break;
+    default: SB(4); break;
+    }
+#undef SB
+}
+
+static void pv_block_any(const float *p, int64_t ldp, const float *vf, int64_t D, int64_t d0, int64_t dn, int64_t j0,
+                         int64_t j1, float *o, int rb) {
+    const int nv = (int)((dn + 15) / 16);
+#define PB(R)                                                                  \
+    switch (nv) {                                                              \
+    case 1: pv_block(p, ldp, vf, D, d0, dn, j0, j1, o, R, 1); break;           \
+    case 2: pv_block(p, ldp, vf, D, d0, dn, j0, j1, o, R, 2); break;           \
+    case 3: pv_block(p, ldp, vf, D, d0, dn, j0, j1, o, R, 3); break;           \
+    default: pv_block(p, ldp, vf, D, d0, dn, j0, j1, o, R, 4); break;          \
+    }
+    switch (rb) {
+    case 1: PB(1); break;
+    case 2: PB(2); break;
+    case 3: PB(3); break;
+    default: PB(4); break;
+    }
+#undef PB
+}
+
+/* sr[j] *= scale (soft-capped if softcap > 0) for j in [lo, hi]; returns their maximum (order-free). */
+static inline float scale_and_max(float *sr, int64_t lo, int64_t hi, float scale, float softcap) {
+    float m = -INFINITY;
+    int64_t j = lo;
+    if (softcap > 0.0f) {
+        for (; j <= hi; j++) {
+            const float sj = softcap * tanhf(sr[j] * scale / softcap);
+            sr[j] = sj;
+            m = sj > m ? sj : m;
+        }
+        return m;
+    }
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= hi + 1; j += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + j), vs);
+        _mm512_storeu_ps(sr + j, v);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    m = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; j <= hi; j++) {
+        const float sj = sr[j] * scale;
+        sr[j] = sj;
+        m = sj > m ? sj : m;
+    }
+    return m;
+}
+
+/* The 16 lane sums of p[c0 .. c1) (c0, c1 multiples of 16), added as the fixed tree. */
+static inline float lane_sum(const float *p, int64_t c0, int64_t c1) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = c0; j < c1; j += LANES) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
+    _mm512_storeu_ps(lane, acc);
+#else
+    for (int64_t j = c0; j < c1; j += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = lane[l] + p[j + l];
+#endif
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] = lane[l] + lane[l + w];
+    return lane[0];
+}
+
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
 }
 
 int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, int64_t dtype,
-                      const int64_t *token_slot, const int64_t *token_pos, int64_t T, int64_t H,
-                      int64_t Hkv, int64_t D, int64_t L, float scale, int64_t window, float softcap,
-                      float *scratch, float *out, int64_t num_threads) {
-    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv || H / Hkv > MAX_ROWS) return -1;
+                      const int64_t *block_tables, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
+                      int64_t num_blocks, const int64_t *token_seq, const int64_t *token_pos, int64_t T, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t L, float scale, int64_t window, float softcap, float *scratch,
+                      float *out, int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv || H / Hkv > MAX_ROWS || block_size < 1) return -1;
     for (int64_t t = 0; t < T; t++)
-        if (token_pos[t] < 0 || token_pos[t] >= L) return -1;
+        if (token_seq[t] < 0 || token_seq[t] >= num_seqs || token_pos[t] < 0 || token_pos[t] >= L ||
+            token_pos[t] >= max_blocks * block_size)
+            return -1;
+    for (int64_t t = 0; t < T; t++) /* every block a token reads is in the pool */
+        if (t + 1 == T || token_seq[t + 1] != token_seq[t])
+            for (int64_t b = 0; b <= token_pos[t] / block_size; b++) {
+                const int64_t blk = block_tables[token_seq[t] * max_blocks + b];
+                if (blk < 0 || blk >= num_blocks) return -1;
+            }
     const int64_t group = H / Hkv;
     const int64_t qb = MAX_ROWS / group; /* tokens per work item */
     const int64_t esize = dtype == 0 ? 4 : 2;
-    const int64_t LP = padded_keys(L);
+    const int64_t JP = padded_keys(L);
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T + 1));
     if (!starts) return -1;
     int64_t nb = 0;
-    for (int64_t t = 0; t < T;) { /* runs of <= qb consecutive tokens of one slot */
+    for (int64_t t = 0; t < T;) { /* runs of <= qb consecutive tokens of one sequence */
         int64_t e = t + 1;
-        while (e < T && e - t < qb && token_slot[e] == token_slot[t] && token_pos[e] == token_pos[e - 1] + 1) e++;
+        while (e < T && e - t < qb && token_seq[e] == token_seq[t] && token_pos[e] == token_pos[e - 1] + 1) e++;
         starts[nb++] = t;
         t = e;
     }
     starts[nb] = T;
+    const int64_t jstride = Hkv * D * esize; /* bytes from one cache row to the next */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < nb; b++) {
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
@@ -361,30 +519,25 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
             tid = omp_get_thread_num();
 #endif
             const int64_t t0 = starts[b], rows = (starts[b + 1] - t0) * group;
-            const int64_t slot = token_slot[t0];
-            float *kt = scratch + (int64_t)tid * tpguide_attention_scratch_floats(L, D); /* [D][LP] */
-            float *vf = kt + LP * D;                                                     /* [LP][D] */
-            float *s = vf + LP * D;                                                      /* [rows][LP] */
-            int64_t jlo = L, jhi = 0;
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t pos = token_pos[t0 + r / group];
-                const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                if (lo < jlo) jlo = lo;
-                if (pos > jhi) jhi = pos;
-            }
-            const int64_t jn = jhi - jlo + 1, jnp = padded_keys(jn);
-            const char *kbase = (const char *)k_cache + ((slot * L + jlo) * Hkv + kvh) * D * esize;
-            const char *vbase = (const char *)v_cache + ((slot * L + jlo) * Hkv + kvh) * D * esize;
-            const int64_t jstride = Hkv * D * esize;
+            const int64_t *table = block_tables + token_seq[t0] * max_blocks;
+            float *kt = scratch + (int64_t)tid * tpguide_attention_scratch_floats(L, D); /* [D][jnp] */
+            float *vf = kt + JP * D;                                                     /* [jnp][D] */
+            float *s = vf + JP * D;                                                      /* [rows][jnp] */
+            float *qf = s + MAX_ROWS * JP;                                               /* [rows][D] */
+            int64_t jlo = first_key(token_pos[t0], window), jhi = token_pos[starts[b + 1] - 1];
+            jlo -= jlo % KEYS;
+            const int64_t jn = jhi - jlo + 1, jnp = (jn + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
             float block[KEYS][MAX_HEAD_DIM];
             for (int64_t j0 = 0; j0 < jnp; j0 += KEYS) { /* keys widened 16 at a time, then transposed */
                 for (int l = 0; l < KEYS; l++) {
-                    const int64_t j = j0 + l;
+                    const int64_t j = j0 + l, pos = jlo + j;
                     if (j < jn) {
-                        load_row(kbase + j * jstride, dtype, D, block[l]);
-                        load_row(vbase + j * jstride, dtype, D, vf + j * D);
+                        const int64_t row = table[pos / block_size] * block_size + pos % block_size;
+                        load_row((const char *)k_cache + row * jstride + kvh * D * esize, dtype, D, block[l]);
+                        load_row((const char *)v_cache + row * jstride + kvh * D * esize, dtype, D, vf + j * D);
                     } else {
                         for (int64_t d = 0; d < D; d++) block[l][d] = 0.0f;
+                        for (int64_t d = 0; d < D; d++) vf[j * D + d] = 0.0f;
                     }
                 }
                 for (int64_t d = 0; d < D; d++)
@@ -392,36 +545,39 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
             }
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t t = t0 + r / group, h = kvh * group + r % group;
-                const int64_t pos = token_pos[t];
-                const int64_t lo = (window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0) - jlo;
-                const int64_t hi = pos - jlo;
-                float qf[MAX_HEAD_DIM];
-                load_row((const char *)q + (t * H + h) * D * esize, dtype, D, qf);
-                float *sr = s + r * LP;
-                float m = -INFINITY;
-                for (int64_t j0 = lo - lo % KEYS; j0 <= hi; j0 += KEYS) {
-                    float acc[KEYS];
-                    scores16(qf, kt + j0, jnp, D, acc);
-                    for (int l = 0; l < KEYS; l++) {
-                        float sj = acc[l] * scale;
-                        if (softcap > 0.0f) sj = softcap * tanhf(sj / softcap);
-                        sr[j0 + l] = sj;
-                    }
+                load_row((const char *)q + (t * H + h) * D * esize, dtype, D, qf + r * D);
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+                const int rb = rows - r0 < RB ? (int)(rows - r0) : RB;
+                /* the block's key range [c0, c1): union of its rows', 16-aligned, relative to jlo */
+                const int64_t c0 = first_key(token_pos[t0 + r0 / group], window) - jlo;
+                const int64_t last = token_pos[t0 + (r0 + rb - 1) / group] - jlo;
+                const int64_t c0a = c0 - c0 % KEYS, c1 = (last / KEYS + 1) * KEYS;
+                float *sb = s + r0 * jnp;
+                for (int64_t j0 = c0a; j0 < c1; j0 += KEY_GROUP) {
+                    const int64_t left = (c1 - j0) / KEYS;
+                    score_block_any(qf + r0 * D, D, kt + j0, jnp, sb + j0, jnp, rb, left < KB ? (int)left : KB);
                 }
-                for (int64_t j = lo; j <= hi; j++)
-                    if (sr[j] > m) m = sr[j];
-                exp_shifted(sr, lo, hi, m);
-                float sum = 0.0f;
-                for (int64_t j = lo; j <= hi; j++) sum += sr[j];
-                float o[MAX_HEAD_DIM];
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t j = lo; j <= hi; j++) {
-                    const float pj = sr[j];
-                    const float *vj = vf + j * D;
-                    for (int64_t d = 0; d < D; d++) o[d] = fmaf(pj, vj[d], o[d]);
+                float inv_l[RB];
+                for (int r = 0; r < rb; r++) {
+                    const int64_t pos = token_pos[t0 + (r0 + r) / group];
+                    const int64_t lo = first_key(pos, window) - jlo, hi = pos - jlo;
+                    float *sr = sb + r * jnp;
+                    exp_shifted(sr, lo, hi, scale_and_max(sr, lo, hi, scale, softcap));
+                    for (int64_t j = c0a; j < lo; j++) sr[j] = 0.0f;
+                    for (int64_t j = hi + 1; j < c1; j++) sr[j] = 0.0f;
+                    inv_l[r] = lane_sum(sr, c0a, c1);
                 }
-                float *dst = out + (t * H + h) * D;
-                for (int64_t d = 0; d < D; d++) dst[d] = o[d] / sum;
+                float o[RB * MAX_HEAD_DIM];
+                for (int64_t d0 = 0; d0 < D; d0 += 16 * DB) {
+                    const int64_t dn = D - d0 < 16 * DB ? D - d0 : 16 * DB;
+                    pv_block_any(sb, jnp, vf, D, d0, dn, c0a, last, o, rb);
+                }
+                for (int r = 0; r < rb; r++) {
+                    const int64_t t = t0 + (r0 + r) / group, h = kvh * group + (r0 + r) % group;
+                    float *dst = out + (t * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] / inv_l[r];
+                }
             }
         }
     }
