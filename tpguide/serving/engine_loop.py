@@ -148,6 +148,7 @@ class EngineLoop:
         if not self.alive:
             raise EngineDead(self.error or "the engine loop is not running")
         sub.retried = True
+        sub.num_tokens, sub.prompt_counted, sub.last_time = 0, False, None  # counted afresh on this replica
         with self._lock:
             self._subs[sub.request.request_id] = sub
         self._inbox.put(("add", [sub.request]))
