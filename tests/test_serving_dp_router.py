@@ -1,8 +1,8 @@
 """The data-parallel router in one process, over fake engines: placement, retry once, health, gauges.
 
-The fakes implement the engine's driver API (``add_request``, ``step``, ...)
-and emit one token per step; a dying one raises in its ``step`` as a
-:class:`~tpguide.serving.remote_engine.RemoteEngine` does when its replica is lost.
+The fakes (``tests/fake_engine.py``) emit one token per step; a dying one
+raises in its ``step`` as a :class:`~tpguide.serving.remote_engine.RemoteEngine`
+does when its replica is lost.
 """
 
 from __future__ import annotations
@@ -10,50 +10,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fake_engine import FakeEngine
 
-from tpguide.engine.request import RequestOutput
 from tpguide.engine.request_io import request_from_dict
 from tpguide.serving.dp_frontend import ReplicaRouter
 from tpguide.serving.engine_loop import EngineDead, EngineLoop
 from tpguide.serving.metrics import ServerMetrics
-
-
-class FakeEngine:
-    def __init__(self, die_after_steps=None, gate=None):
-        self.reqs, self.steps, self.die_after, self.gate = {}, 0, die_after_steps, gate
-        self.driver = None
-
-    def add_request(self, req):
-        self.reqs[req.request_id] = [req, 0]
-
-    def abort_request(self, rid):
-        self.reqs.pop(rid, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.reqs)
-
-    def step(self):
-        if self.gate is not None:
-            self.gate.wait(5)
-        self.steps += 1
-        if self.die_after is not None and self.steps > self.die_after:
-            raise RuntimeError("replica lost")
-        outs = []
-        for rid, entry in list(self.reqs.items()):
-            req, n = entry
-            entry[1] = n + 1
-            done = entry[1] >= req.sampling_params.max_tokens
-            outs.append(RequestOutput(rid, req.index, new_token_ids=[n], token_ids=list(range(n + 1)),
-                                      finish_reason="length" if done else None, num_prompt_tokens=2))
-            if done:
-                del self.reqs[rid]
-        return outs
-
-    def keepalive(self):
-        pass
-
-    def shutdown(self):
-        pass
 
 
 def _router(*engines):
