@@ -56,3 +56,46 @@ def test_dp2_tp2_equals_one_tp2_group_and_resumes(tiny_model_path, tmp_path):
              and o["id"] not in KEPT]
     assert fresh == [(o["id"], o["token_ids"], o["finish_reason"]) for o in reference if o["id"] not in KEPT]
     assert all(len(o["token_ids"]) > 0 for o in reference)
+
+
+def _offline_with_a_dying_replica(group, model_dir, lines):
+    """dp 2 x tp 1: replica 1 fails at its 4th step (its process then exits); rank 0 reports what it got."""
+    import threading
+
+    from tpguide.dist.replica_channel import open_replica_channels
+    from tpguide.engine.data_parallel import ReplicaFailed, follow_front_end, generate_on_replicas
+    from tpguide.engine.engine import build_engine
+    from tpguide.engine.request_io import parse_request_lines
+
+    channels = open_replica_channels(group, heartbeat_s=0.5, timeout_s=30.0)
+    engine = build_engine(group, model_dir, CONFIG)
+    if group.rank == 1:
+        steps = []
+
+        def die():
+            steps.append(1)
+            if len(steps) == 4:
+                threading.Timer(1.0, os._exit, (0,)).start()  # after run_on_ranks has this rank's result
+                raise RuntimeError("injected failure")
+
+        engine.runner.on_step = die
+        try:
+            follow_front_end(engine, channels[0])
+        except RuntimeError as exc:
+            return str(exc)
+        return "no failure"
+    got = []
+    try:
+        generate_on_replicas(engine, channels, parse_request_lines(lines, 8), on_output=got.append)
+    except ReplicaFailed as exc:
+        return str(exc), sorted(o.request_id for o in got)
+    return "no failure", []
+
+
+def test_a_dead_replica_fails_the_offline_run_naming_it(tiny_model_path):
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"Line {i}", "max_tokens": 8}) for i in range(4)]
+    (message, finished), died = run_on_ranks(_offline_with_a_dying_replica, 2, tiny_model_path, lines,
+                                             data_parallel_size=2, timeout_s=240)
+    assert died == "injected failure"
+    assert message.startswith("replica 1 (global rank 1) is unreachable") and "2 request(s) did not finish" in message
+    assert finished == ["q0", "q2"]  # replica 0's share, every one of its requests
