@@ -60,7 +60,7 @@ class ReplicaRouter:
         for loop in self.loops:
             loop.request_stop()
         for loop in self.loops:
-            loop._thread.join(timeout)
+            loop.join(timeout)
 
     @property
     def alive(self) -> bool:

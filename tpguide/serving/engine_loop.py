@@ -179,6 +179,10 @@ class EngineLoop:
         """Ask the thread to stop (as :meth:`stop`) without waiting for it."""
         self._inbox.put(("stop", None))
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end."""
+        self._thread.join(timeout)
+
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
         try:
