@@ -66,14 +66,16 @@ def test_least_outstanding_tokens_and_gauges():
 def test_a_dead_replica_retries_unseen_requests_once_and_fails_streamed_ones():
     import threading
 
-    gate = threading.Event()
-    router, _ = _router(FakeEngine(gate=gate), FakeEngine(die_after_steps=1))
+    gate, gate1 = threading.Event(), threading.Event()
+    # replica 1 steps only once all three are placed (else it could die before the last one arrives)
+    router, _ = _router(FakeEngine(gate=gate), FakeEngine(die_after_steps=1, gate=gate1))
 
     async def run():
         q_busy = router.submit([_req(9, max_tokens=60)])  # replica 0 (tie: the lowest), held by the gate
         q_stream = router.submit([_req(0, max_tokens=4)], stream=True)  # replica 1: fewer outstanding tokens
         q_plain = router.submit([_req(1, max_tokens=4)], stream=False)  # replica 1
         assert [lp.num_in_flight for lp in router.loops] == [1, 2]
+        gate1.set()
         (streamed,) = await _finals(q_stream, 1)  # replica 1 dies at its second step
         gate.set()
         return streamed, (await _finals(q_plain, 1))[0], await _finals(q_busy, 1)
