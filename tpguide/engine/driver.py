@@ -134,6 +134,18 @@ class Filled(NamedTuple):
     dead_end_rows: List[int]  # a dead end, or a matcher that raised: the request fails in finish_step
 
 
+class KVCacheStats(NamedTuple):
+    """The KV pool and prefix cache (blocks; tokens for the prefix counters and prefill)."""
+
+    num_blocks: int
+    num_used_blocks: int  # referenced by a running request
+    num_cached_blocks: int  # holding a prefix key (in use or evictable)
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_prefill_tokens: int  # prompt (and recomputed) tokens computed
+
+
 class Driver:
     """Requests, scheduler, matchers and outputs of one engine (driver rank only).
 
@@ -382,6 +394,14 @@ class Driver:
             if self.guided is not None and req.structured_output is not None:
                 self.guided.remove_request(req.slot)
             self.scheduler.release(req)
+
+    def kv_cache_stats(self) -> "KVCacheStats":
+        """The KV pool and prefix cache now (counters since the engine started)."""
+        pool = self.kv.pool
+        return KVCacheStats(num_blocks=pool.num_blocks, num_used_blocks=pool.num_used,
+                            num_cached_blocks=len(pool.cached), prefix_cache_queries=self.kv.prefix_queries,
+                            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+                            num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
     # ------------------------------------------------------------ outputs
     def output_of(self, req: Request) -> RequestOutput:

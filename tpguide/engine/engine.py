@@ -230,6 +230,10 @@ class Engine:
         """True while an added request has not had its final output returned by :meth:`step`."""
         return self._require_driver().has_unfinished_requests()
 
+    def kv_cache_stats(self):
+        """Blocks used / free, prefix-cache queries and hits (tokens), preemptions (driver; :class:`KVCacheStats`)."""
+        return self._require_driver().kv_cache_stats()
+
     def step(self) -> List[RequestOutput]:
         """Run one engine step on every rank; the outputs that changed in it (driver).
 

@@ -88,6 +88,8 @@ class Scheduler:
     ----------
     num_preemptions : int
         Requests preempted so far.
+    num_prefill_tokens : int
+        Prompt (and recomputed) tokens scheduled so far: a cached prefix is not counted.
 
     Raises
     ------
@@ -112,6 +114,7 @@ class Scheduler:
         self.preempted: List[Request] = []  # hold their slot; resumed oldest first
         self.free_slots: List[int] = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0
         self._num_admitted = 0
 
     def add(self, request: Request) -> None:
@@ -163,6 +166,7 @@ class Scheduler:
                     seqs.append(self._chunk(req, end))
         if self.num_preemptions == preempted_before:  # the pool is not short: resume, then admit
             self._resume_and_admit(seqs)
+        self.num_prefill_tokens += sum(len(s.token_ids) for s in seqs if s.is_prefill)
         return seqs
 
     def _budget(self, seqs: List[ScheduledRequest]) -> int:

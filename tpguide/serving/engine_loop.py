@@ -174,6 +174,7 @@ class EngineLoop:
         n = self.num_in_flight
         self.metrics.running.set(min(n, self.max_num_seqs))
         self.metrics.waiting.set(max(0, n - self.max_num_seqs))
+        self.metrics.observe_kv_cache(self.engine.kv_cache_stats())
 
     def _dispatch(self, outputs: Sequence[Any]) -> None:
         now = time.perf_counter()

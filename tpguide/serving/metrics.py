@@ -37,8 +37,29 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.failed = Counter("tpguide:request_failure", "Requests failed, by error kind", ["error_kind"],
                               registry=r)
+        self.kv_blocks_used = Gauge("tpguide:kv_cache_blocks_used", "KV blocks referenced by running requests",
+                                    registry=r)
+        self.kv_blocks_free = Gauge("tpguide:kv_cache_blocks_free", "KV blocks free (cached ones included: "
+                                    "evictable)", registry=r)
+        self.prefix_queries = Counter("tpguide:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("tpguide:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.preemptions = Counter("tpguide:num_preemptions", "Requests preempted (recomputed later) when the KV "
+                                   "cache ran out of blocks", registry=r)
+        self._kv_last = (0, 0, 0)
         self.info = Gauge("tpguide:model_info", "The served model", list(labels), registry=r)
         self.info.labels(**labels).set(1)
+
+    def observe_kv_cache(self, stats) -> None:
+        """Update the KV-cache metrics from the engine's :class:`~tpguide.engine.driver.KVCacheStats`."""
+        self.kv_blocks_used.set(stats.num_used_blocks)
+        self.kv_blocks_free.set(stats.num_blocks - stats.num_used_blocks)
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._kv_last):
+            if new > old:
+                counter.inc(new - old)
+        self._kv_last = now
 
     def render(self) -> tuple:
         """(body bytes, content type) of ``GET /metrics``."""
