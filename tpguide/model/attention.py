@@ -118,26 +118,25 @@ class AttentionMetadata:
 
     def slot_mapping(self, block_size: int) -> torch.Tensor:
         """int64 ``[num_tokens]``: the flat pool row ``block * block_size + offset`` each new token's k/v goes to."""
-        key = ("write", block_size)
-        rows = self._derived.get(key)
-        if rows is None:
-            pos = self.token_positions
-            blocks = self.block_tables[self.token_seq_index, pos // block_size]  # [T]
-            rows = blocks * block_size + pos % block_size
-            self._derived[key] = rows
-        return rows
+        return self._derive(("write", block_size), lambda: self._slot_mapping(block_size))
 
     def key_index(self, block_size: int) -> torch.Tensor:
         """int64 ``[num_seqs, max_seq_len]``: the flat pool row of every key position (padding reads block 0)."""
-        key = ("read", block_size)
-        rows = self._derived.get(key)
-        if rows is None:
-            j = torch.arange(self.max_seq_len, device=self.block_tables.device)  # [K]
-            width = self.block_tables.size(1)
-            col = (j // block_size).clamp(max=width - 1)  # past the table: masked keys of a shorter sequence
-            rows = self.block_tables[:, col] * block_size + (j % block_size)  # [S, K]
-            self._derived[key] = rows
-        return rows
+        return self._derive(("read", block_size), lambda: self._key_index(block_size))
+
+    def _derive(self, key, build) -> torch.Tensor:
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def _slot_mapping(self, block_size: int) -> torch.Tensor:
+        pos = self.token_positions
+        return self.block_tables[self.token_seq_index, pos // block_size] * block_size + pos % block_size  # [T]
+
+    def _key_index(self, block_size: int) -> torch.Tensor:
+        j = torch.arange(self.max_seq_len, device=self.block_tables.device)  # [K]
+        col = (j // block_size).clamp(max=self.block_tables.size(1) - 1)  # past a shorter table: masked keys
+        return self.block_tables[:, col] * block_size + (j % block_size)  # [S, K]
 
     @property
     def num_seqs(self) -> int:
