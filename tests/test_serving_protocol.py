@@ -64,6 +64,10 @@ def test_response_formats():
     schema = {"type": "object"}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     assert chat(response_format=rf).lines[0]["structured_output"] == {"json": schema}
+    best_effort = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": False}}
+    assert chat(response_format=best_effort).lines[0]["structured_output"] == {"json": schema, "strict": False}
+    with pytest.raises(APIError, match="strict must be true or false, got 'no'"):
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": "no"}})
     with pytest.raises(APIError, match="response_format.type"):
         chat(response_format={"type": "xml"})
 

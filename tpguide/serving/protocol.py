@@ -97,7 +97,12 @@ def _guide(body: Dict[str, Any], tools: Optional[ToolPlan], backend: str) -> Opt
             if not isinstance(js, dict) or "schema" not in js:
                 raise bad_request("response_format.json_schema needs a 'schema' (and a 'name')",
                                   "response_format.json_schema")
-            sources.append(("response_format", {"json": js["schema"]}))
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request(f"response_format.json_schema.strict must be true or false, got {strict!r}",
+                                  "response_format.json_schema.strict")
+            # OpenAI's strict: false is best effort (README "Best effort"); absent or true is strict
+            sources.append(("response_format", {"json": js["schema"], **({"strict": False} if strict is False else {})}))
         elif kind != "text":
             raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                               "response_format")

@@ -644,51 +644,92 @@ int tpguide_amx_init(void) {
     return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
 }
 
-static void amx_configure(int rows) {
+/* Tiles 0, 1: C rows [0, top) x columns 0-15 / 16-31; 2: A rows [0, top); 3, 4: B.  With bottom > 0
+ * (a 32-row block) also 5, 6: C rows [16, 16 + bottom); 7: A rows [16, 16 + bottom). */
+static void amx_configure(int top, int bottom) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 2; t++) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = 64; }     /* C: rows x 16 fp32 */
-    cfg.rows[2] = (uint8_t)rows; cfg.colsb[2] = 64;                                      /* A: rows x 32 bf16 */
-    for (int t = 3; t < 5; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                 /* B: 16 pairs x 16 cols */
+    for (int t = 0; t < 2; t++) { cfg.rows[t] = (uint8_t)top; cfg.colsb[t] = 64; }     /* C: rows x 16 fp32 */
+    cfg.rows[2] = (uint8_t)top; cfg.colsb[2] = 64;                                      /* A: rows x 32 bf16 */
+    for (int t = 3; t < 5; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                /* B: 16 pairs x 16 cols */
+    if (bottom > 0) {
+        for (int t = 5; t < 8; t++) { cfg.rows[t] = (uint8_t)bottom; cfg.colsb[t] = 64; }
+    }
     _tile_loadconfig(&cfg);
+}
+
+/* One unit of a row block: C tiles from zero, one TDPBF16PS per 32-wide k tile in ascending order
+ * (each C element's order is the same whether the block has 16 or 32 rows: rows are independent). */
+static inline __attribute__((always_inline)) void amx_unit(const uint16_t *xu, int64_t ldx, const uint16_t *wu,
+                                                           int64_t K_pad, int two, float *c, float *c2,
+                                                           int64_t ldc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(5);
+        _tile_zero(6);
+    }
+    for (int64_t k0 = 0; k0 < K_pad; k0 += 32) {
+        const uint16_t *wk = wu + (k0 / 2) * NB * 2; /* 16 pair rows of NB columns */
+        _tile_loadd(2, xu + k0, ldx * 2);
+        _tile_loadd(3, wk, NB * 4);
+        _tile_loadd(4, wk + 32, NB * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+        if (two) {
+            _tile_loadd(7, xu + 16 * ldx + k0, ldx * 2);
+            _tile_dpbf16ps(5, 7, 3);
+            _tile_dpbf16ps(6, 7, 4);
+        }
+    }
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    if (two) {
+        _tile_stored(5, c2, ldc * 4);
+        _tile_stored(6, c2 + 16, ldc * 4);
+    }
 }
 
 int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
                              int64_t U, int64_t N, float *out, int64_t sum_units, int64_t num_threads) {
     if (K_pad % 32) return -1;
     const int64_t P = (N + NB - 1) / NB;
-    const int64_t R = (M + 15) / 16;
+    const int64_t R = (M + 31) / 32; /* blocks of 32 rows (two A tiles share each B tile) */
 #pragma omp parallel num_threads(num_threads)
     {
         int configured = -1;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t p = 0; p < P; p++) {
             for (int64_t rb = 0; rb < R; rb++) {
-                const int64_t m0 = rb * 16;
-                const int mr = (int)(M - m0 < 16 ? M - m0 : 16);
+                const int64_t m0 = rb * 32;
+                const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+                const int top = rows < 16 ? rows : 16, bottom = rows - top;
                 const int64_t n0 = p * NB;
                 const int nb = (int)(N - n0 < NB ? N - n0 : NB);
-                if (configured != mr) { amx_configure(mr); configured = mr; }
-                float acc[16][NB], total[16][NB];
+                if (configured != rows) { amx_configure(top, bottom); configured = rows; }
+                float acc[16][NB], total[16][NB], acc2[16][NB], total2[16][NB];
+                if (U == 1 && sum_units && nb == NB) { /* one unit, whole panel: the tiles are the output */
+                    float *c = out + m0 * N + n0;
+                    amx_unit(x + m0 * ldx, ldx, w + p * K_pad * NB, K_pad, bottom > 0, c, c + 16 * N, N);
+                    continue;
+                }
                 for (int64_t u = 0; u < U; u++) {
                     const uint16_t *wu = w + (u * P + p) * K_pad * NB;
                     const uint16_t *xu = x + m0 * ldx + u * K_pad;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    for (int64_t k0 = 0; k0 < K_pad; k0 += 32) {
-                        _tile_loadd(2, xu + k0, ldx * 2);
-                        const uint16_t *wk = wu + (k0 / 2) * NB * 2;   /* 16 pair rows of NB columns */
-                        _tile_loadd(3, wk, NB * 4);
-                        _tile_loadd(4, wk + 32, NB * 4);
-                        _tile_dpbf16ps(0, 2, 3);
-                        _tile_dpbf16ps(1, 2, 4);
+                    float *unit_out = sum_units ? out : out + u * M * N;
+                    if (bottom > 0) {
+                        amx_unit(xu, ldx, wu, K_pad, 1, &acc[0][0], &acc2[0][0], NB);
+                        unit_done(acc2, total2, u, sum_units, unit_out, N, m0 + 16, n0, bottom, nb);
+                    } else {
+                        amx_unit(xu, ldx, wu, K_pad, 0, &acc[0][0], &acc2[0][0], NB);
                     }
-                    _tile_stored(0, &acc[0][0], NB * 4);
-                    _tile_stored(1, &acc[0][16], NB * 4);
-                    unit_done(acc, total, u, sum_units, sum_units ? out : out + u * M * N, N, m0, n0, mr, nb);
+                    unit_done(acc, total, u, sum_units, unit_out, N, m0, n0, top, nb);
                 }
-                if (sum_units) store_tile(total, out, N, m0, n0, mr, nb);
+                if (sum_units) {
+                    store_tile(total, out, N, m0, n0, top, nb);
+                    if (bottom > 0) store_tile(total2, out, N, m0 + 16, n0, bottom, nb);
+                }
             }
         }
         if (configured != -1) _tile_release();
