@@ -19,10 +19,15 @@ fastest round of each.  Bounded in count (``--requests``) and time
 ``python -m``: it starts the server with the test suite's
 ``tests/server_process.py``.
 
+``--dp D`` instead compares two servers measured in the same run, both
+with one thread per rank: D replicas of tp ``--tp`` (``torchrun
+--nproc-per-node D*tp launch/serve.py --data-parallel-size D``) against one
+(docs/architecture.md §1 "Data parallel"), alternating ``--rounds`` times.
+
 Usage::
 
     python -m benchmarks.bench_serve [--clients 16] [--requests 64] [--max-tokens 32] [--tp 1]
-                                     [--time-limit 600] [--rounds 1] [--model DIR]
+                                     [--time-limit 600] [--rounds 1] [--model DIR] [--dp D]
     python -m benchmarks.bench_serve --shared-prefix [--clients 16] [--turns 8] [--max-tokens 32]
                                      (prefix caching on vs off, benchmarks/shared_prefix.py)
 """
@@ -194,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds, per phase")
     p.add_argument("--rounds", type=int, default=1, help="alternate offline / server rounds, keep the best of each")
     p.add_argument("--model", default=None)
+    p.add_argument("--dp", type=int, default=None,
+                   help="compare D replicas against one (servers only, 1 thread per rank)")
     p.add_argument("--shared-prefix", action="store_true",
                    help="the shared-prefix mode (benchmarks/shared_prefix.py): --clients conversations of --turns "
                         "turns behind one tools system prompt, prefix caching on vs off")
@@ -206,6 +213,8 @@ def main(argv=None) -> int:
     if not (1 <= args.clients <= 256 and 1 <= args.requests <= 4096):
         raise SystemExit("--clients must be in [1, 256] and --requests in [1, 4096]")
     lines = make_requests(args.requests, args.max_tokens)
+    if args.dp is not None:
+        return compare_data_parallel(args, lines)
     offline, stats = None, None
     with ServerProcess(args.tp, ["--served-model-name", "bench", "--max-waiting-requests", str(args.requests),
                                  *engine_flags(args)]) as srv:
@@ -232,6 +241,36 @@ def main(argv=None) -> int:
     print(f"server / offline throughput: {(tokens / wall) / offline['tok_s']:.2f}")
     for e in stats["errors"][:5]:
         print(f"  error: {e}")
+    return 0
+
+
+def compare_data_parallel(args, lines) -> int:
+    """Server throughput at ``--dp`` replicas x tp ``--tp`` against 1 x tp ``--tp``, same requests, one run."""
+    if args.dp < 2:
+        raise SystemExit(f"--dp must be >= 2, got {args.dp}")
+    flags = ["--served-model-name", "bench", "--max-waiting-requests", str(args.requests), "--threads", "1",
+             *engine_flags(args)]
+    best: Dict[int, Dict[str, Any]] = {}
+    for _ in range(max(1, args.rounds)):
+        for dp in (1, args.dp):
+            extra = ["--data-parallel-size", str(dp)] if dp > 1 else []
+            with ServerProcess(dp * args.tp, [*flags, *extra]) as srv:
+                asyncio.run(run_clients(srv.base_url, lines[:4], 4, args.time_limit, "bench"))  # compile grammars
+                st = asyncio.run(run_clients(srv.base_url, lines, args.clients, args.time_limit, "bench"))
+            if dp not in best or st["wall_s"] < best[dp]["wall_s"]:
+                best[dp] = st
+    print(f"bench_serve --dp: {args.requests} guided requests (max_tokens {args.max_tokens}), {args.clients} "
+          f"streaming clients, 1 thread per rank, best of {max(1, args.rounds)} rounds; the machine may be "
+          f"shared: compare the ratio only")
+    print("| replicas x tp | requests/s | output tok/s | TTFT p50 / p99 (ms) | errors | invalid |")
+    print("|---|---|---|---|---|---|")
+    for dp, st in sorted(best.items()):
+        wall = st["wall_s"]
+        print(f"| {dp} x {args.tp} | {len(st['tokens']) / wall:.2f} | {sum(st['tokens']) / wall:.1f} | "
+              f"{pct(st['ttft'], 50) * 1000:.0f} / {pct(st['ttft'], 99) * 1000:.0f} | {len(st['errors'])} | "
+              f"{len(st['invalid'])} |")
+    tok = {dp: sum(st["tokens"]) / st["wall_s"] for dp, st in best.items()}
+    print(f"throughput {args.dp} x {args.tp} / 1 x {args.tp}: {tok[args.dp] / tok[1]:.2f}")
     return 0
 
 

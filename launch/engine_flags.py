@@ -52,7 +52,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                         "(and then tokens) may change with the tp size, the batch, speculation or the threads "
                         "(default: every reduction in a fixed order, see the README's guarantee table)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads per rank (default: cores // tp_size); with the default TP-invariant "
+                   help="CPU threads per rank (default: cores // ranks on this node); with the default TP-invariant "
                         "mode the outputs do not depend on it")
     p.add_argument("--seed", type=int, default=0,
                    help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
@@ -71,19 +71,29 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="draft-head: no tuned-lens translator after the drafter's last layer (by default one "
                         "is fitted on built-in calibration text at the first start, about 15 s for the "
                         "embedded model on 2 CPU cores, and cached)")
+    p.add_argument("--data-parallel-size", type=int, default=None, metavar="D",
+                   help="replicas: the torchrun world splits into D tensor-parallel groups of world / D ranks, "
+                        "each a full engine; global rank 0 is the front end (default: 1, or world / "
+                        "--tensor-parallel-size)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="T",
+                   help="ranks per replica (default: world / --data-parallel-size); e.g. torchrun --nnodes D "
+                        "--nproc-per-node T ... --tensor-parallel-size T")
     p.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"seconds a rank waits in a collective before failing (default {DEFAULT_TIMEOUT_S:g}); "
                         "a dead rank is noticed sooner (closed sockets, torchrun's agent)")
 
 
 def set_threads(args: argparse.Namespace, tp_size: int) -> int:
-    """Set torch's intra-op threads of this rank from ``--threads`` (default ``cores // tp_size``, at least 1).
+    """Set torch's intra-op threads of this rank from ``--threads`` (default ``cores // ranks``, at least 1).
+
+    ``ranks`` is the ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; ``tp_size`` without it).
 
     Raises ``ValueError`` naming the value if ``--threads`` is below 1.
     """
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // tp_size)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local_ranks)
     torch.set_num_threads(threads)
     return threads
 

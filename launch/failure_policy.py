@@ -26,16 +26,19 @@ def run_main(main, argv=None) -> int:
     """``main(argv)`` with the failure policy.
 
     Bad input and startup errors (``ValueError``, ``FileNotFoundError``), a
-    driver abort and a failed collective print one line; anything else
+    driver abort, a failed replica or control channel (data parallel) and a
+    failed collective print one line; anything else
     prints its traceback first.  ``os._exit`` skips interpreter teardown,
     which could block on a process group whose peers are gone.
     """
+    from tpguide.dist.replica_channel import ChannelClosed
+    from tpguide.engine.data_parallel import ReplicaFailed
     from tpguide.worker.protocol import DriverAborted
 
     rank = os.environ.get("RANK", "0")
     try:
         return main(argv)
-    except (ValueError, FileNotFoundError, DriverAborted) as exc:
+    except (ValueError, FileNotFoundError, DriverAborted, ReplicaFailed, ChannelClosed) as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # every rank meets a startup error at about the same moment; the first to exit makes

@@ -35,7 +35,9 @@ from failure_policy import run_main
 
 from tpguide.dist import destroy_tp_group, init_tp_group
 from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook
+from tpguide.dist.replica_channel import open_replica_channels
 from tpguide.engine import RequestOutput, build_engine
+from tpguide.engine.data_parallel import follow_front_end, generate_on_replicas
 from tpguide.engine.request_io import (
     load_finished,
     open_partial,
@@ -67,7 +69,7 @@ def load_requests(args):
     return parse_request_lines([json.dumps(r) for r in DEMO_REQUESTS], args.max_new_tokens)
 
 
-def report(outputs, requests, tp_size: int, wall_s: float, fresh) -> None:
+def report(outputs, requests, group, wall_s: float, fresh) -> None:
     """Per request: guide, finish reason, text; then the throughput of the ``fresh`` outputs (this run's)."""
     for out, req in zip(outputs, requests):
         guide = req.structured_output.guide_type if req.structured_output is not None else "none"
@@ -83,14 +85,17 @@ def report(outputs, requests, tp_size: int, wall_s: float, fresh) -> None:
     total = sum(len(o.token_ids) for o in fresh)
     kept = f" ({len(outputs) - len(fresh)} more kept from the previous run by --resume)" if len(fresh) < len(outputs) else ""
     print(f"\n{len(fresh)} requests, {total} generated tokens in {wall_s:.1f} s "
-          f"({total / max(wall_s, 1e-9):.1f} tok/s) at tp_size={tp_size}{kept}")
+          f"({total / max(wall_s, 1e-9):.1f} tok/s) at tp_size={group.tp_size}"
+          + (f" x dp_size={group.dp_size}" if group.dp_size > 1 else "") + kept)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = engine_config_from_args(args)
-    group = init_tp_group(timeout_s=args.collective_timeout)
+    group = init_tp_group(timeout_s=args.collective_timeout, data_parallel_size=args.data_parallel_size,
+                          tensor_parallel_size=args.tensor_parallel_size)
     set_threads(args, group.tp_size)
+    channels = open_replica_channels(group, min(5.0, args.collective_timeout / 4), args.collective_timeout)
     engine = build_engine(group, args.model, config)
     if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
         engine.runner.on_step = step_fault_hook(group)
@@ -98,12 +103,18 @@ def main(argv=None) -> int:
         engine.run_worker()  # joins its bitmask thread when the stop plan arrives
         destroy_tp_group(group)  # barrier, then destroy
         return 0
+    if group.rank != 0:  # a remote replica's driver: run the share the front end sends
+        follow_front_end(engine, channels[0])
+        engine.shutdown()
+        destroy_tp_group(group)
+        return 0
     requests = load_requests(args)
     done = load_finished(args.output, args.retry_errors) if (args.resume and args.output) else {}
     todo = [r for r in requests if r.request_id not in done]
     partial = open_partial(args.output, append=args.resume)
     start = time.perf_counter()
-    fresh = dict(zip((r.index for r in todo), engine.generate(todo, progress=not args.quiet, on_output=partial)))
+    fresh = dict(zip((r.index for r in todo), generate_on_replicas(engine, channels, todo, progress=not args.quiet,
+                                                                    on_output=partial)))
     wall_s = time.perf_counter() - start
     engine.shutdown()
     outputs = [fresh[r.index] if r.index in fresh else RequestOutput.from_json(done[r.request_id], r.index) for r in requests]
@@ -111,7 +122,7 @@ def main(argv=None) -> int:
         write_outputs(args.output, outputs)
         partial.close(remove=True)
     if not args.quiet:
-        report(outputs, requests, group.tp_size, wall_s, list(fresh.values()))
+        report(outputs, requests, group, wall_s, list(fresh.values()))
         if engine.driver.spec is not None:
             spec = engine.driver.spec
             print(spec.stats.summary(spec.method, spec.num_speculative_tokens))

@@ -17,6 +17,14 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 SIGINT or SIGTERM (to rank 0 or to torchrun, which forwards it): stop
 accepting requests, abort the running ones, send the stop plan, every rank
 exits 0 (within 10 s).
+
+Data parallel (``--data-parallel-size D`` or ``--tensor-parallel-size T``,
+e.g. ``torchrun --nnodes D --nproc-per-node T --rdzv-backend c10d
+--rdzv-endpoint HOST:PORT``): D replicas of T ranks; global rank 0 serves
+HTTP and routes each request to the replica with the fewest outstanding
+tokens; the other replicas' drivers take requests over their control
+channels (docs/architecture.md §1 "Data parallel").  A signal to a remote
+replica's ranks ends the whole job the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import threading
 from engine_flags import add_engine_flags, engine_config_from_args, set_threads
 
 from tpguide.dist import destroy_tp_group, init_tp_group
+from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook
+from tpguide.dist.replica_channel import open_replica_channels
 
 #: Seconds a worker rank waits after SIGINT/SIGTERM for rank 0's stop plan before it leaves anyway.
 WORKER_GRACE_S = 8.0
@@ -60,7 +70,7 @@ def _serve_worker(engine, group) -> int:
     """A non-driver rank: follow plans; on a signal wait for the stop plan, leave after a grace period."""
     def on_signal(signum, _frame):
         def leave():
-            print(f"[rank {group.tp_rank}] no stop plan {WORKER_GRACE_S:g} s after signal {signum}; exiting",
+            print(f"[rank {group.rank}] no stop plan {WORKER_GRACE_S:g} s after signal {signum}; exiting",
                   file=sys.stderr, flush=True)
             os._exit(0)
 
@@ -72,8 +82,47 @@ def _serve_worker(engine, group) -> int:
     signal.signal(signal.SIGINT, on_signal)
     engine.run_worker()
     destroy_tp_group(group)
-    print(f"[rank {group.tp_rank}] stopped; exit 0", file=sys.stderr, flush=True)
+    print(f"[rank {group.rank}] stopped; exit 0", file=sys.stderr, flush=True)
     return 0
+
+
+def _serve_replica(engine, group, channel, heartbeat_s: float) -> int:
+    """A remote replica's driver: serve the front end's requests; on a signal ask it to end the job."""
+    from tpguide.serving.replica_server import serve_replica
+
+    leaving = threading.Event()
+
+    def on_signal(signum, _frame):
+        leaving.set()
+
+        def leave():
+            print(f"[rank {group.rank}] no stop from the front end {WORKER_GRACE_S:g} s after signal {signum}; "
+                  f"exiting", file=sys.stderr, flush=True)
+            os._exit(0)
+
+        timer = threading.Timer(WORKER_GRACE_S, leave)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    serve_replica(engine, channel, heartbeat_s, leaving)
+    destroy_tp_group(group)
+    print(f"[rank {group.rank}] stopped; exit 0", file=sys.stderr, flush=True)
+    return 0
+
+
+def _end_the_job_once():
+    """``on_leave(reason)`` for the front end: a remote replica got a signal, so stop as on SIGTERM (once)."""
+    fired = []
+
+    def on_leave(reason: str) -> None:
+        if not fired:
+            fired.append(reason)
+            print(f"[rank 0] {reason}: stopping the job", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_leave
 
 
 def _served_name(args) -> str:
@@ -96,13 +145,19 @@ def main(argv=None) -> int:
     for name in ("max_waiting_requests", "max_body_bytes"):
         if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"--{name.replace('_', '-')} is out of range: {getattr(args, name)}")
-    group = init_tp_group(timeout_s=args.collective_timeout)
+    group = init_tp_group(timeout_s=args.collective_timeout, data_parallel_size=args.data_parallel_size,
+                          tensor_parallel_size=args.tensor_parallel_size)
     set_threads(args, group.tp_size)
+    channels = open_replica_channels(group, heartbeat, args.collective_timeout)
     from tpguide.engine import build_engine
 
     engine = build_engine(group, args.model, config)
+    if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
+        engine.runner.on_step = step_fault_hook(group)
     if not group.is_driver:
         return _serve_worker(engine, group)
+    if group.rank != 0:
+        return _serve_replica(engine, group, channels[0], heartbeat)
     import uvicorn
 
     from tpguide.serving.server import make_precompile, make_server_state
@@ -111,7 +166,8 @@ def main(argv=None) -> int:
     state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                               default_max_tokens=args.max_new_tokens, heartbeat_s=heartbeat,
-                              tool_format=ToolCallFormat(args.tool_call_begin, args.tool_call_end))
+                              tool_format=ToolCallFormat(args.tool_call_begin, args.tool_call_end),
+                              channels=channels, tp_size=group.tp_size, on_leave=_end_the_job_once())
     from tpguide.serving.app import create_app
 
     state.loop.start()  # heartbeats from now on
@@ -119,7 +175,8 @@ def main(argv=None) -> int:
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level=args.log_level, timeout_graceful_shutdown=2,
                                            limit_concurrency=None))
-    print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size} on "
+    dp = f" x dp_size={group.dp_size}" if group.dp_size > 1 else ""
+    print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size}{dp} on "
           f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on its way out:
@@ -130,6 +187,9 @@ def main(argv=None) -> int:
         state.loop.stop()
     if state.loop.error:
         print(f"[rank 0] error: {state.loop.error}", file=sys.stderr, flush=True)
+        local = getattr(state.loop, "loops", [state.loop])[0]  # data parallel: replica 0's own loop
+        if local.error is None:  # another replica failed: replica 0 stopped cleanly, let its ranks leave
+            destroy_tp_group(group)
         sys.stdout.flush()
         os._exit(1)
     destroy_tp_group(group)

@@ -44,7 +44,7 @@ def step_fault_hook(group: TPGroup) -> Callable[[], None]:
     A no-op unless :data:`FAULT_ENV` names this rank; then it counts steps
     and exits the process at the named one (a message on stderr first).
     """
-    steps = [s for r, s in parse_fault_spec(os.environ.get(FAULT_ENV, "")) if r == group.tp_rank]
+    steps = [s for r, s in parse_fault_spec(os.environ.get(FAULT_ENV, "")) if r == group.rank]
     if not steps:
         return lambda: None
     counter = [0]
@@ -52,7 +52,7 @@ def step_fault_hook(group: TPGroup) -> Callable[[], None]:
     def hook() -> None:
         counter[0] += 1
         if counter[0] in steps:
-            print(f"[rank {group.tp_rank}] {FAULT_ENV}: exiting at step {counter[0]}",
+            print(f"[rank {group.rank}] {FAULT_ENV}: exiting at step {counter[0]}",
                   file=sys.stderr, flush=True)
             os._exit(1)
 

@@ -26,6 +26,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tpguide.dist.replicas import layout_from_sizes, new_tp_process_groups
+
 #: Collective timeout (seconds), chosen deliberately.  A rank that *dies* is
 #: noticed much sooner: gloo peers fail their next collective at once (closed
 #: socket), and torchrun's agent stops every worker as soon as one exits
@@ -53,6 +55,11 @@ class TPGroup:
         ``None`` when ``tp_size == 1`` and ``torch.distributed`` is not used.
     backend : str
         ``"nccl"``, ``"gloo"`` or ``"none"`` (single process).
+    dp_rank : int
+        The replica this rank belongs to, ``0 <= dp_rank < dp_size``
+        (data parallel, docs/architecture.md §1 "Data parallel").
+    dp_size : int
+        Number of replicas (TP groups) in the world.
     """
 
     tp_rank: int = 0
@@ -60,6 +67,8 @@ class TPGroup:
     device: torch.device = torch.device("cpu")
     process_group: Optional[Any] = None
     backend: str = "none"
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -68,6 +77,13 @@ class TPGroup:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
         if self.tp_size > 1 and self.process_group is None:
             raise ValueError(f"tp_size={self.tp_size} > 1 needs a process_group")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, {self.dp_size}), got {self.dp_rank}")
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank: ``dp_rank * tp_size + tp_rank``."""
+        return self.dp_rank * self.tp_size + self.tp_rank
 
     @property
     def is_driver(self) -> bool:
@@ -88,9 +104,14 @@ def choose_backend(local_world_size: int) -> str:
 
 
 def init_tp_group(
-    backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    data_parallel_size: Optional[int] = None, tensor_parallel_size: Optional[int] = None,
 ) -> TPGroup:
     """Create this process's TP group from torchrun's environment.
+
+    With ``data_parallel_size`` / ``tensor_parallel_size`` the world splits into
+    replicas (:mod:`tpguide.dist.replicas`, docs/architecture.md §1 "Data
+    parallel"); by default the whole world is one TP group.
 
     Parameters
     ----------
@@ -98,6 +119,8 @@ def init_tp_group(
         Forces a backend; default chooses with :func:`choose_backend`.
     timeout_s : float
         Collective timeout in seconds (a dead peer fails the collective).
+    data_parallel_size, tensor_parallel_size : int, optional
+        ``D`` and ``T`` with ``D * T == WORLD_SIZE`` (either one implies the other).
 
     Returns
     -------
@@ -107,10 +130,11 @@ def init_tp_group(
     Raises
     ------
     ValueError
-        If ``backend`` is not ``"nccl"`` or ``"gloo"``, or NCCL is asked for
-        without enough CUDA devices.
+        If ``backend`` is not ``"nccl"`` or ``"gloo"``, NCCL is asked for
+        without enough CUDA devices, or the sizes do not split the world.
     """
     world_size = _env_int("WORLD_SIZE", 1)
+    layout = layout_from_sizes(world_size, data_parallel_size, tensor_parallel_size)
     if world_size == 1:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return TPGroup(device=device)
@@ -140,13 +164,12 @@ def init_tp_group(
             world_size=world_size, timeout=timeout,
             **({"device_id": device} if backend == "nccl" else {}),
         )
-    return TPGroup(
-        tp_rank=rank,
-        tp_size=world_size,
-        device=device,
-        process_group=dist.group.WORLD,
-        backend=backend,
-    )
+    if layout.dp_size == 1:
+        return TPGroup(tp_rank=rank, tp_size=world_size, device=device, process_group=dist.group.WORLD,
+                       backend=backend)
+    return TPGroup(tp_rank=layout.tp_rank_of(rank), tp_size=layout.tp_size, device=device,
+                   process_group=new_tp_process_groups(layout, rank, backend, timeout_s), backend=backend,
+                   dp_rank=layout.dp_rank_of(rank), dp_size=layout.dp_size)
 
 
 def exchange_device_types(store, rank: int, world_size: int, device_type: str) -> list[str]:
@@ -186,8 +209,8 @@ def destroy_tp_group(group: TPGroup, barrier: bool = True) -> None:
     torch.distributed.DistError
         The barrier failed (a peer died or timed out).
     """
-    if group.process_group is not None and dist.is_initialized():
-        if barrier:
+    if dist.is_initialized():
+        if barrier and group.process_group is not None:
             dist.barrier(group=group.process_group)
         dist.destroy_process_group()
 
@@ -241,14 +264,14 @@ def broadcast_object(obj: Any, group: TPGroup) -> Any:
     if group.tp_size == 1:
         return obj
     box = [obj if group.is_driver else None]
-    dist.broadcast_object_list(box, src=0, group=group.process_group, device=group.device)
+    dist.broadcast_object_list(box, group_src=0, group=group.process_group, device=group.device)
     return box[0]
 
 
 def broadcast_tensor(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with the driver's (same shape/dtype)."""
     if group.tp_size > 1:
-        dist.broadcast(tensor, src=0, group=group.process_group)
+        dist.broadcast(tensor, group_src=0, group=group.process_group)
     return tensor
 
 
@@ -272,7 +295,7 @@ def scatter_tensor(
     if group.is_driver:
         assert chunks is not None and len(chunks) == group.tp_size
         scatter_list = [c.contiguous() for c in chunks]
-    dist.scatter(out, scatter_list, src=0, group=group.process_group)
+    dist.scatter(out, scatter_list, group_src=0, group=group.process_group)
     return out
 
 

@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue, dp_size: int = 1) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -44,7 +44,7 @@ def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue
     from tpguide.dist.group import destroy_tp_group, init_tp_group
 
     try:
-        group = init_tp_group(backend="gloo", timeout_s=120)
+        group = init_tp_group(backend="gloo", timeout_s=120, data_parallel_size=dp_size)
         # plain pickle: tensors travel by value, not as shared memory that
         # would vanish when this process exits
         result = pickle.dumps(fn(group, *args))
@@ -54,8 +54,12 @@ def _worker(rank: int, tp_size: int, port: int, fn: Callable, args: tuple, queue
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.0) -> List[Any]:
+def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.0,
+                 data_parallel_size: int = 1) -> List[Any]:
     """Call ``fn(group, *args)`` on ``tp_size`` gloo ranks; return results by rank.
+
+    ``tp_size`` is the world size; ``data_parallel_size`` splits it into
+    replicas (:mod:`tpguide.dist.replicas`).
 
     ``fn`` must be importable (a module-level function).  Raises
     ``RuntimeError`` naming the failing rank, or ``TimeoutError``.
@@ -64,7 +68,8 @@ def run_on_ranks(fn: Callable, tp_size: int, *args: Any, timeout_s: float = 300.
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, tp_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, tp_size, port, fn, args, queue, data_parallel_size),
+                    daemon=True)
         for r in range(tp_size)
     ]
     for p in procs:

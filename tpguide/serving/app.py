@@ -85,9 +85,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.loop.alive:
-            return {"status": "ok", "heartbeats": state.loop.num_heartbeats}
-        return JSONResponse({"status": "dead", "error": state.loop.error}, status_code=503)
+        body = state.loop.health()  # data parallel: each replica's status too
+        return body if body["status"] != "dead" else JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -145,7 +144,7 @@ def create_app(state: ServerState) -> FastAPI:
                 state.metrics.failed.labels(error_kind="invalid_request").inc()
                 raise bad_request(str(exc)) from exc
         try:
-            q = state.loop.submit(reqs)
+            q = state.loop.submit(reqs, stream=parsed.stream)
         except EngineDead as exc:
             state.metrics.failed.labels(error_kind="engine_dead").inc()
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc

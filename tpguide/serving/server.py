@@ -1,9 +1,13 @@
-"""Assemble the server's state on rank 0: engine loop, metrics, tokenizer, guide precompilation."""
+"""Assemble the server's state on rank 0: engine loop(s), metrics, tokenizer, guide precompilation.
+
+Data parallel (docs/architecture.md §1 "Data parallel"): one loop per
+replica behind a :class:`~tpguide.serving.dp_frontend.ReplicaRouter`.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 from tpguide.serving.app import ServerState
 from tpguide.serving.engine_loop import EngineLoop
@@ -43,17 +47,36 @@ def make_precompile(engine, metrics: ServerMetrics):
 
 def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
                       max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
-                      tool_format: ToolCallFormat) -> ServerState:
+                      tool_format: ToolCallFormat, channels: Optional[Dict[int, Any]] = None, tp_size: int = 1,
+                      on_leave: Optional[Callable[[str], None]] = None) -> ServerState:
     """The :class:`ServerState` of rank 0 (the engine loop is built, not started).
 
     ``precompile`` is None: set it with :func:`make_precompile` after the
     loop has started, so that the other ranks get heartbeats while the
-    grammar backend is built (seconds).
+    grammar backend is built (seconds).  ``channels`` (data parallel: the
+    remote replicas' control channels by ``dp_rank``, ranks per replica
+    ``tp_size``) makes the state's loop a router over every replica;
+    ``on_leave(reason)`` runs when a remote replica asks to end the job.
+    The queue limit (``--max-num-seqs`` + ``--max-waiting-requests``) then
+    counts per replica.
     """
     metrics = ServerMetrics(served_model_name)
-    loop = EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s)
+    if channels:
+        from tpguide.dist.replicas import describe_replica
+        from tpguide.serving.dp_frontend import ReplicaRouter
+        from tpguide.serving.remote_engine import RemoteEngine
+
+        loops = [EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s, replica=0,
+                            replica_name=describe_replica(0, tp_size))]
+        loops += [EngineLoop(RemoteEngine(channels[d], on_leave), metrics, config.max_num_seqs, heartbeat_s,
+                             replica=d, replica_name=describe_replica(d, tp_size)) for d in sorted(channels)]
+        loop = ReplicaRouter(loops, metrics)
+        dp_size = len(loops)
+    else:
+        loop = EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s)
+        dp_size = 1
     return ServerState(loop=loop, tokenizer=engine.driver.tokenizer, served_model_name=served_model_name,
-                       metrics=metrics, max_num_seqs=config.max_num_seqs,
-                       max_waiting_requests=max_waiting_requests, default_max_tokens=default_max_tokens,
+                       metrics=metrics, max_num_seqs=config.max_num_seqs * dp_size,
+                       max_waiting_requests=max_waiting_requests * dp_size, default_max_tokens=default_max_tokens,
                        max_model_len=config.max_model_len, guided_backend=config.guided_backend,
                        api_key=api_key, max_body_bytes=max_body_bytes, tool_format=tool_format)
