@@ -28,6 +28,8 @@ Usage::
 
     python -m benchmarks.bench_serve [--clients 16] [--requests 64] [--max-tokens 32] [--tp 1]
                                      [--time-limit 600] [--rounds 1] [--model DIR] [--dp D]
+    python -m benchmarks.bench_serve --shared-prefix [--clients 16] [--turns 8] [--max-tokens 32]
+                                     (prefix caching on vs off, benchmarks/shared_prefix.py)
 """
 
 from __future__ import annotations
@@ -199,7 +201,15 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--dp", type=int, default=None,
                    help="compare D replicas against one (servers only, 1 thread per rank)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="the shared-prefix mode (benchmarks/shared_prefix.py): --clients conversations of --turns "
+                        "turns behind one tools system prompt, prefix caching on vs off")
+    p.add_argument("--turns", type=int, default=8, help="--shared-prefix: turns per client (default 8)")
     args = p.parse_args(argv)
+    if args.shared_prefix:
+        from benchmarks.shared_prefix import run_shared_prefix
+
+        return run_shared_prefix(args, engine_flags(args), pct)
     if not (1 <= args.clients <= 256 and 1 <= args.requests <= 4096):
         raise SystemExit("--clients must be in [1, 256] and --requests in [1, 4096]")
     lines = make_requests(args.requests, args.max_tokens)

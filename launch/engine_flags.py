@@ -19,7 +19,18 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
     p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens,
                    help=f"max_tokens of requests that do not set it (default {default_max_new_tokens})")
     p.add_argument("--max-num-seqs", type=int, default=16,
-                   help="requests running at once: KV-cache slots, bitmask rows (default 16)")
+                   help="requests running at once: request slots, bitmask rows; not tied to the KV memory "
+                        "(default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+                   help="KV-cache pool per rank, in bytes (suffixes KiB, MiB, GiB); default: on CUDA "
+                        "--kv-cache-memory-fraction of the free memory, on CPU room for --max-num-seqs "
+                        "requests of --max-model-len tokens.  The pool is allocated once; its size is printed")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                   help="CUDA, without --kv-cache-memory: share of the free device memory the KV pool takes "
+                        "(default 0.9)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the cached KV blocks of a shared prompt prefix (default: reuse them)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="token budget per step; longer prompts are prefilled in chunks (default 1024)")
     p.add_argument("--max-model-len", type=int, default=2048,
@@ -105,13 +116,35 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if k is None:
         k = 4 if args.speculative_method else 0
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, guided_backend=args.guided_backend,
+                        max_model_len=args.max_model_len, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory,
+                        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                        enable_prefix_caching=args.enable_prefix_caching, guided_backend=args.guided_backend,
                         json_whitespace=args.json_whitespace, grammar_compile_timeout_s=args.grammar_compile_timeout,
                         seed=args.seed, dtype=_dtype(args), tp_invariant=args.tp_invariant,
                         speculative_method=args.speculative_method,
                         num_speculative_tokens=k, draft_num_layers=args.draft_num_layers,
                         draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
                         draft_lens=args.draft_lens)
+
+
+_BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
+
+
+def _bytes(text: str) -> int:
+    """``"512MiB"`` -> 536870912; a plain integer is bytes (argparse type)."""
+    for unit, factor in _BYTE_UNITS.items():
+        if text.endswith(unit):
+            number = text[:-len(unit)].strip()
+            try:
+                return int(float(number) * factor)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (an integer, or a number with KiB / MiB / GiB), "
+                                         f"got {text!r}") from None
 
 
 def _dtype(args: argparse.Namespace) -> torch.dtype:

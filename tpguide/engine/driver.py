@@ -34,6 +34,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
 import torch
 
 from tpguide.engine.finisher import StepFinisher
+from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.planner import PlannedStep, planned_step_of
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
@@ -133,6 +134,18 @@ class Filled(NamedTuple):
     dead_end_rows: List[int]  # a dead end, or a matcher that raised: the request fails in finish_step
 
 
+class KVCacheStats(NamedTuple):
+    """The KV pool and prefix cache (blocks; tokens for the prefix counters and prefill)."""
+
+    num_blocks: int
+    num_used_blocks: int  # referenced by a running request
+    num_cached_blocks: int  # holding a prefix key (in use or evictable)
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_prefill_tokens: int  # prompt (and recomputed) tokens computed
+
+
 class Driver:
     """Requests, scheduler, matchers and outputs of one engine (driver rank only).
 
@@ -144,9 +157,12 @@ class Driver:
     padded_vocab_size : int
         Bitmask width in tokens.
     config : EngineConfig
+    num_kv_blocks : int
+        Blocks in the ranks' KV pool (``config.block_size`` tokens each).
     """
 
-    def __init__(self, tokenizer, stop_token_ids: Sequence[int], padded_vocab_size: int, config) -> None:
+    def __init__(self, tokenizer, stop_token_ids: Sequence[int], padded_vocab_size: int, config,
+                 num_kv_blocks: int) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.padded_vocab_size = padded_vocab_size
@@ -154,8 +170,9 @@ class Driver:
         self.spec: Optional[Speculator] = None  # drafting and verification, with speculative decoding
         if config.speculative_method is not None:
             self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   propose_drafts=self.spec.propose if self.spec else None)
+                                   propose_drafts=self.spec.propose if self.spec else None, kv=self.kv)
         self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec,
                                      detokenize=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
         self.num_steps = 0
@@ -205,6 +222,7 @@ class Driver:
         if not req.is_finished:
             try:
                 admit_request(req, self.tokenizer, self.config, self._submit_guide(req))
+                self._check_fits_kv_cache(req)
             except ValueError as exc:
                 req.fail(str(exc))
         if req.is_finished:
@@ -212,6 +230,13 @@ class Driver:
         else:
             self._arrivals.append(req)
             self._admit_arrivals()
+
+    def _check_fits_kv_cache(self, req: Request) -> None:
+        """Refuse a request the KV pool could not hold even alone (ValueError naming the numbers)."""
+        k = self.config.num_speculative_tokens
+        what = (f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling_params.max_tokens})"
+                + (f" + {k} speculative lookahead" if k else ""))
+        self.kv.check_fits(len(req.prompt_token_ids) + req.sampling_params.max_tokens + k, what)
 
     def _submit_guide(self, req: Request):
         def submit(params) -> None:
@@ -280,9 +305,10 @@ class Driver:
             kept = [r for r in waiting if not r.is_finished]
             waiting.clear()
             waiting.extend(kept)
-            for req in [r for r in self.scheduler.running.values() if r.request_id in aborts and not r.is_finished]:
+            holding = list(self.scheduler.running.values()) + list(self.scheduler.preempted)
+            for req in [r for r in holding if r.request_id in aborts and not r.is_finished]:
                 req.finish("abort")
-                self._release(req)  # slot, bitmask row and matcher; the KV slot is overwritten by its next user
+                self._release(req)  # slot, bitmask row, matcher and KV blocks (cached ones stay reusable)
                 self._unreported.append(req)
         outputs = [self.output_of(req) for req in self._unreported]
         self._unreported.clear()
@@ -304,7 +330,7 @@ class Driver:
             return None
         for s in scheduled:
             req = s.request
-            if s.start_position == 0 and req.structured_output is not None:
+            if s.is_new and req.structured_output is not None:  # from the prompt's end, cached prefix or not
                 try:
                     self.guided_decoder().add_request(s.slot, req.structured_output)
                 except ValueError as exc:
@@ -320,7 +346,8 @@ class Driver:
         requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
                                  max_drafts=s.num_draft_tokens,
                                  guided=(self.guided is not None and s.request.structured_output is not None
-                                         and self.guided.is_guided(s.slot)))
+                                         and self.guided.is_guided(s.slot)),
+                                 block_table=list(s.request.block_ids))
                     for s in drafting]
         found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
         return [dataclasses.replace(s, token_ids=s.token_ids[:1] + found.get(id(s), []),
@@ -353,6 +380,8 @@ class Driver:
         outputs = []
         for s in planned.scheduled:
             req = s.request
+            if self.scheduler.holds_slot(req):
+                self.kv.cache_final_blocks(req)  # full blocks of accepted tokens: reusable by later prefixes
             if req.is_finished:
                 self._release(req)
             if req.is_finished or len(req.output_token_ids) > req.num_reported_tokens:
@@ -360,11 +389,19 @@ class Driver:
         return outputs
 
     def _release(self, req: Request) -> None:
-        """Free the slot, bitmask row and matcher of a finished request (idempotent)."""
-        if req.slot is not None and self.scheduler.running.get(req.slot) is req:
+        """Free the slot, bitmask row, matcher and KV blocks of a finished request (idempotent)."""
+        if self.scheduler.holds_slot(req):
             if self.guided is not None and req.structured_output is not None:
                 self.guided.remove_request(req.slot)
             self.scheduler.release(req)
+
+    def kv_cache_stats(self) -> "KVCacheStats":
+        """The KV pool and prefix cache now (counters since the engine started)."""
+        pool = self.kv.pool
+        return KVCacheStats(num_blocks=pool.num_blocks, num_used_blocks=pool.num_used,
+                            num_cached_blocks=len(pool.cached), prefix_cache_queries=self.kv.prefix_queries,
+                            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+                            num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
     # ------------------------------------------------------------ outputs
     def output_of(self, req: Request) -> RequestOutput:

@@ -49,6 +49,7 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.engine.driver import Driver
+from tpguide.engine.kv_pool_size import kv_pool_num_blocks, report_kv_pool
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.matcher import producible_vocab_size
@@ -69,11 +70,21 @@ class EngineConfig:
     Attributes
     ----------
     max_num_seqs : int
-        Requests running at once (KV-cache slots, guided bitmask rows).
+        Requests running at once (request slots, guided bitmask rows); not tied to the KV memory.
     max_num_batched_tokens : int
         Token budget per step; longer prompts are prefilled in chunks.
     max_model_len : int
-        Prompt plus generated tokens per request (KV-cache length).
+        Prompt plus generated tokens per request.
+    block_size : int
+        Tokens per KV block (docs/architecture.md §7 "KV cache").
+    kv_cache_memory : int or None
+        Bytes of KV pool per rank; None: on CUDA ``kv_cache_memory_fraction``
+        of the free memory, on CPU room for ``max_num_seqs`` requests of
+        ``max_model_len`` tokens (:mod:`tpguide.engine.kv_pool_size`).
+    kv_cache_memory_fraction : float
+        CUDA only, without ``kv_cache_memory``: the share of free device memory, in (0, 1].
+    enable_prefix_caching : bool
+        Reuse cached full blocks of a shared prefix (:mod:`tpguide.engine.kv_cache_manager`).
     guided_backend : {"auto", "xgrammar", "llguidance"}
         ``auto``: per request, xgrammar if it enforces the guide, else llguidance
         (:mod:`tpguide.guided.admission`).
@@ -113,6 +124,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None
+    kv_cache_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
     guided_backend: str = "auto"
     json_whitespace: str = "bounded"
     grammar_compile_timeout_s: Optional[float] = 60.0
@@ -131,7 +146,11 @@ class EngineConfig:
             raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte or None, got {self.kv_cache_memory}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.guided_backend not in ("auto", "xgrammar", "llguidance"):
@@ -185,13 +204,17 @@ class Engine:
                              f"speculative_method={config.speculative_method!r} and draft_head={draft_head!r}")
         self.model, self.group, self.config = model, group, config
         self.draft_head = draft_head
-        model.allocate_kv_cache(config.max_num_seqs, config.max_model_len)
+        num_blocks, source = kv_pool_num_blocks(model, group, config)
+        model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
+        if group.is_driver:
+            report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source)
         self.runner = StepRunner(model, group, draft_head)
         self.driver: Optional[Driver] = None
         if group.is_driver:
             if tokenizer is None:
                 raise ValueError("the driver needs a tokenizer")
-            self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config)
+            self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
+                                 num_blocks)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
 
     # ------------------------------------------------------------------ driver API
@@ -206,6 +229,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while an added request has not had its final output returned by :meth:`step`."""
         return self._require_driver().has_unfinished_requests()
+
+    def kv_cache_stats(self):
+        """Blocks used / free, prefix-cache queries and hits (tokens), preemptions (driver; :class:`KVCacheStats`)."""
+        return self._require_driver().kv_cache_stats()
 
     def step(self) -> List[RequestOutput]:
         """Run one engine step on every rank; the outputs that changed in it (driver).

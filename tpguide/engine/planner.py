@@ -94,11 +94,13 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[St
         ScheduledSeq(
             query_len=len(s.token_ids),
             num_computed_tokens=s.start_position,
-            prompt_len=len(s.request.prompt_token_ids),
+            prompt_len=s.request.prefill_len,
             is_prefill=s.is_prefill,
             is_last_prefill_chunk=s.is_prefill and s.samples,
             num_draft_tokens=s.num_draft_tokens,
-            want_prompt_logprobs=s.request.sampling_params.prompt_logprobs is not None,
+            # a recompute after a preemption has its prompt logprobs already
+            want_prompt_logprobs=(s.request.sampling_params.prompt_logprobs is not None
+                                  and s.request.num_prefill_tokens is None),
         )
         for s in scheduled
     ]
@@ -126,7 +128,7 @@ def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[St
         offsets = inputs.prompt_row_offsets.tolist()
     plan = StepPlan(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        seq_slots=[s.slot for s in scheduled],
+        block_tables=[list(s.request.block_ids) for s in scheduled],
         query_lens=[len(s.token_ids) for s in scheduled],
         context_lens=[s.start_position for s in scheduled],
         selected_token_indices=inputs.selected_token_indices,

@@ -164,7 +164,12 @@ class Request:
     output_logprobs: List[Dict[str, Any]] = field(default_factory=list)
     prompt_logprobs: List[Optional[Dict[str, Any]]] = field(default_factory=list)  # [None, {...}, ...]
     num_computed_tokens: int = 0
-    slot: Optional[int] = None
+    slot: Optional[int] = None  # request row: its matcher and bitmask rows (not its KV, see block_ids)
+    block_ids: List[int] = field(default_factory=list)  # KV block table, position order (kv_cache_manager.py)
+    block_hashes: List[bytes] = field(default_factory=list)  # prefix keys of its full blocks (prefix_hash.py)
+    num_cached_blocks: int = 0  # first blocks registered in the prefix cache
+    num_prefill_tokens: Optional[int] = None  # set while recomputing after a preemption: all its tokens
+    admit_order: int = -1  # when it first got a slot; the newest running request is preempted first
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     seed: int = 0
@@ -189,9 +194,14 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to compute before decoding: the prompt, or every token when recomputing after a preemption."""
+        return self.num_prefill_tokens if self.num_prefill_tokens is not None else len(self.prompt_token_ids)
+
+    @property
     def is_prefill(self) -> bool:
-        """True while prompt tokens remain to be computed."""
-        return self.num_computed_tokens < len(self.prompt_token_ids)
+        """True while prompt (or, after a preemption, recomputed) tokens remain to be computed."""
+        return self.num_computed_tokens < self.prefill_len
 
     def fail(self, message: str) -> None:
         """Finish with ``finish_reason="error"`` (first message wins)."""

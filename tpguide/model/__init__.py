@@ -22,8 +22,8 @@ What the engine calls::
     model_dir = resolve_model_dir(args.model, group)                    # HF dir / FILE.gguf / default
     checkpoint_dtype(model_dir)                                          # e.g. torch.bfloat16 (for --dtype auto)
     model = load_model(model_dir, group, dtype, tokenizer_vocab_size)   # this rank's shard
-    model.allocate_kv_cache(num_slots, max_model_len)
-    meta = AttentionMetadata.from_lists(seq_slots, query_lens, context_lens, device)
+    model.allocate_kv_cache(num_blocks, block_size, max_model_len)     # the paged pool
+    meta = AttentionMetadata.from_block_tables(block_tables, query_lens, context_lens, device)
     hidden = model(input_ids, meta.token_positions, meta)               # [T, hidden], replicated
     logits = model.compute_logits(hidden[selected_token_indices])       # fp32 [R, padded_vocab_size // tp_size]
     model.vocab_shard                                                    # VocabShard of this rank

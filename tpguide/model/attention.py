@@ -3,14 +3,20 @@
 A step's tokens are flattened: sequence ``s`` contributes its new tokens
 ``query_start_loc[s] : query_start_loc[s+1]`` (a whole prompt, a prefill
 chunk continuing a cached prefix, or one decode token); their positions are
-``context_lens[s] .. context_lens[s] + query_len - 1``.  The KV cache is one
-dense row per sequence slot (no paging)::
+``context_lens[s] .. context_lens[s] + query_len - 1``.  The KV cache is a
+pool of fixed-size blocks (paged, docs/architecture.md §7 "KV cache")::
 
-    k_cache / v_cache : [num_slots, max_model_len, num_kv_heads, head_dim]
+    k_cache / v_cache : [num_blocks, block_size, num_kv_heads, head_dim]
 
-:class:`Attention` writes the new keys and values at ``(slot, position)``,
-then pads queries to ``[num_seqs, max_query_len]``, reads keys
-``[num_seqs, max_seq_len]`` from the cache and runs one
+and each sequence has a block table: position ``j`` of sequence ``s`` lives in
+block ``block_tables[s, j // block_size]``, row ``j % block_size``.  A dense
+per-slot cache is the special case of one block of ``max_model_len``
+positions per sequence (:meth:`AttentionMetadata.from_lists`).
+
+:class:`Attention` writes the new keys and values at their ``(block, row)``;
+then on the plain path it pads queries to ``[num_seqs, max_query_len]``,
+gathers keys ``[num_seqs, max_seq_len]`` through the block tables (one
+``index_select`` on the flattened pool) and runs one
 ``F.scaled_dot_product_attention`` with a causal mask (query ``i`` of
 sequence ``s`` sees cache positions ``<= context_lens[s] + i``).
 
@@ -33,7 +39,7 @@ does not depend on the other sequences of the batch, on the padding to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +54,11 @@ class AttentionMetadata:
 
     Attributes
     ----------
-    seq_slots : torch.Tensor
-        int64 ``[num_seqs]``: KV-cache slot of each sequence.
+    block_tables : torch.Tensor
+        int64 ``[num_seqs, max_blocks]``: the KV-cache blocks of each
+        sequence in position order (position ``j`` is in block
+        ``block_tables[s, j // block_size]``); entries past a sequence's
+        ``ceil(seq_len / block_size)`` blocks are padding (0) and never written.
     query_start_loc : torch.Tensor
         int64 ``[num_seqs + 1]``: offsets of each sequence's new tokens in the
         flattened batch (tokens); ``query_start_loc[-1] == num_tokens``.
@@ -70,15 +79,13 @@ class AttentionMetadata:
         sequence ``s`` sees key positions ``<= context_lens[s] + i`` (built once
         per step, shared by every layer).  Padded query rows keep key 0
         visible so no row is all-masked; they are dropped after attention.
-    slot_range : tuple of int or None
-        ``(a, a + num_seqs)`` when ``seq_slots`` is ``a, a+1, ..`` (the usual
-        steady state): attention then reads cache views instead of gathering.
 
-    Sliding-window masks are derived on first use and cached per window
-    (:meth:`sliding_window_mask`), so all layers of one step share one.
+    Sliding-window masks and the block-size dependent indices are derived on
+    first use and cached (:meth:`sliding_window_mask`, :meth:`slot_mapping`,
+    :meth:`key_index`), so all layers of one step share one.
     """
 
-    seq_slots: torch.Tensor
+    block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
     query_lens: torch.Tensor
@@ -89,15 +96,14 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     attn_mask: torch.Tensor
-    slot_range: Optional[Tuple[int, int]] = None
-    _window_masks: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _derived: Dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def sliding_window_mask(self, sliding_window: int) -> torch.Tensor:
         """bool ``[num_seqs, 1, max_query_len, max_seq_len]``: :attr:`attn_mask` and ``key > query_pos - window``.
 
         Padded query rows keep key 0 visible, as in :attr:`attn_mask`.
         """
-        mask = self._window_masks.get(sliding_window)
+        mask = self._derived.get(sliding_window)
         if mask is None:
             device = self.attn_mask.device
             q_idx = torch.arange(self.max_query_len, device=device)  # [Q]
@@ -107,12 +113,34 @@ class AttentionMetadata:
             padded_row = (q_idx[None, :] >= self.query_lens[:, None])[:, :, None]  # [S, Q, 1]
             in_window = in_window | (padded_row & (key_pos == 0))
             mask = self.attn_mask & in_window.unsqueeze(1)
-            self._window_masks[sliding_window] = mask
+            self._derived[sliding_window] = mask
         return mask
+
+    def slot_mapping(self, block_size: int) -> torch.Tensor:
+        """int64 ``[num_tokens]``: the flat pool row ``block * block_size + offset`` each new token's k/v goes to."""
+        return self._derive(("write", block_size), lambda: self._slot_mapping(block_size))
+
+    def key_index(self, block_size: int) -> torch.Tensor:
+        """int64 ``[num_seqs, max_seq_len]``: the flat pool row of every key position (padding reads block 0)."""
+        return self._derive(("read", block_size), lambda: self._key_index(block_size))
+
+    def _derive(self, key, build) -> torch.Tensor:
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
+
+    def _slot_mapping(self, block_size: int) -> torch.Tensor:
+        pos = self.token_positions
+        return self.block_tables[self.token_seq_index, pos // block_size] * block_size + pos % block_size  # [T]
+
+    def _key_index(self, block_size: int) -> torch.Tensor:
+        j = torch.arange(self.max_seq_len, device=self.block_tables.device)  # [K]
+        col = (j // block_size).clamp(max=self.block_tables.size(1) - 1)  # past a shorter table: masked keys
+        return self.block_tables[:, col] * block_size + (j % block_size)  # [S, K]
 
     @property
     def num_seqs(self) -> int:
-        return int(self.seq_slots.numel())
+        return int(self.block_tables.size(0))
 
     @property
     def num_tokens(self) -> int:
@@ -121,24 +149,59 @@ class AttentionMetadata:
     @classmethod
     def from_lists(cls, seq_slots: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
                    device: Optional[torch.device] = None) -> "AttentionMetadata":
-        """Build from per-sequence Python lists (one entry per sequence, batch order).
+        """A dense per-slot cache: one block of ``max_model_len`` positions per sequence (its slot).
 
         Raises
         ------
         ValueError
-            Lists of different lengths, an empty batch, ``query_len < 1`` or
-            ``context_len < 0``, or a slot used twice.
+            As :meth:`from_block_tables`, or a slot used twice.
         """
-        n = len(seq_slots)
+        if len(set(seq_slots)) != len(seq_slots):
+            raise ValueError(f"seq_slots must be distinct, got {list(seq_slots)}")
+        return cls.from_block_tables([[int(s)] for s in seq_slots], query_lens, context_lens, device)
+
+    @classmethod
+    def from_block_tables(cls, block_tables: Sequence[Sequence[int]], query_lens: Sequence[int],
+                          context_lens: Sequence[int], device: Optional[torch.device] = None,
+                          block_size: Optional[int] = None) -> "AttentionMetadata":
+        """Build from per-sequence Python lists (one entry per sequence, batch order).
+
+        Parameters
+        ----------
+        block_tables : list of list of int
+            Each sequence's blocks in position order (ragged; padded with 0).
+        query_lens, context_lens : list of int
+        block_size : int, optional
+            When given, every table must cover its ``context_len + query_len``
+            positions (``len(table) * block_size >= seq_len``).
+
+        Raises
+        ------
+        ValueError
+            Lists of different lengths, an empty batch, ``query_len < 1``,
+            ``context_len < 0``, an empty or negative block table, or a table
+            too short for its sequence.
+        """
+        n = len(block_tables)
         if not n or len(query_lens) != n or len(context_lens) != n:
             raise ValueError(
-                f"need equal, non-empty lists: seq_slots={len(seq_slots)}, "
+                f"need equal, non-empty lists: block_tables={len(block_tables)}, "
                 f"query_lens={len(query_lens)}, context_lens={len(context_lens)}"
             )
         if min(query_lens) < 1 or min(context_lens) < 0:
             raise ValueError(f"query_lens must be >= 1 and context_lens >= 0, got {list(query_lens)}, {list(context_lens)}")
-        if len(set(seq_slots)) != n:
-            raise ValueError(f"seq_slots must be distinct, got {list(seq_slots)}")
+        if min(len(t) for t in block_tables) < 1 or min(min(t) for t in block_tables) < 0:
+            raise ValueError(f"every sequence needs a non-empty block table of block ids >= 0, got {list(block_tables)}")
+        if block_size is not None:
+            short = [i for i in range(n) if len(block_tables[i]) * block_size < context_lens[i] + query_lens[i]]
+            if short:
+                i = short[0]
+                raise ValueError(f"sequence {i}: block table of {len(block_tables[i])} blocks x {block_size} tokens "
+                                 f"cannot hold {context_lens[i] + query_lens[i]} positions")
+        width = max(len(t) for t in block_tables)
+        tables = torch.zeros((n, width), dtype=torch.int64)
+        for i, t in enumerate(block_tables):
+            tables[i, :len(t)] = torch.tensor(list(t), dtype=torch.int64)
         q = torch.tensor(list(query_lens), dtype=torch.int64)
         ctx = torch.tensor(list(context_lens), dtype=torch.int64)
         start = torch.zeros(n + 1, dtype=torch.int64)
@@ -151,7 +214,7 @@ class AttentionMetadata:
         query_pos = ctx[:, None] + torch.arange(max_q)  # [S, Q]
         attn_mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [S, 1, Q, K]
         return cls(
-            seq_slots=torch.tensor(list(seq_slots), dtype=torch.int64, **to),
+            block_tables=tables.to(**to),
             query_start_loc=start.to(**to),
             context_lens=ctx.to(**to),
             query_lens=q.to(**to),
@@ -162,8 +225,6 @@ class AttentionMetadata:
             max_query_len=max_q,
             max_seq_len=max_s,
             attn_mask=attn_mask.to(**to),
-            slot_range=(seq_slots[0], seq_slots[0] + n) if list(seq_slots) == list(
-                range(seq_slots[0], seq_slots[0] + n)) else None,
         )
 
 
@@ -185,8 +246,8 @@ class Attention(nn.Module):
     Attributes
     ----------
     k_cache, v_cache : torch.Tensor or None
-        ``[num_slots, max_model_len, num_kv_heads, head_dim]``, set by the model's
-        ``allocate_kv_cache``.
+        The block pool ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+        set by the model's ``allocate_kv_cache``.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -215,16 +276,19 @@ class Attention(nn.Module):
             ``[T, num_heads * head_dim]``.
         """
         if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_slots, max_model_len)")
-        if meta.max_seq_len > self.k_cache.size(1):
-            raise ValueError(f"sequence length {meta.max_seq_len} exceeds max_model_len={self.k_cache.size(1)}")
+            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_blocks, block_size)")
+        num_blocks, block_size = self.k_cache.shape[:2]
+        if meta.max_seq_len > meta.block_tables.size(1) * block_size:
+            raise ValueError(f"sequence length {meta.max_seq_len} exceeds its block tables' "
+                             f"{meta.block_tables.size(1)} blocks x {block_size} tokens")
         seq, qi = meta.token_seq_index, meta.token_query_index  # [T], [T]
-        slots, pos = meta.seq_slots[seq], meta.token_positions  # [T], [T]
-        self.k_cache[slots, pos] = k
-        self.v_cache[slots, pos] = v
+        flat_k = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        rows = meta.slot_mapping(block_size)  # [T]
+        flat_k[rows] = k
+        flat_v[rows] = v
         if self.fixed_order and not q.is_cuda:
-            # a dense slot cache is one block of max_model_len positions per sequence
-            out = attention_fixed_order(q, self.k_cache, self.v_cache, meta.seq_slots.view(-1, 1), seq, pos,
+            out = attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables, seq, meta.token_positions,
                                         self.scale, self.sliding_window, self.logit_softcap)  # fp32 [T, H, D]
             return out.to(q.dtype).flatten(1)
 
@@ -234,12 +298,9 @@ class Attention(nn.Module):
         else:
             q_pad = q.new_zeros(num_seqs, max_q, self.num_heads, self.head_dim)  # [S, Q, H, D]
             q_pad[seq, qi] = q
-        if meta.slot_range is not None:  # slots a, a+1, ..: views of the cache, no gather
-            lo, hi = meta.slot_range
-            keys, values = self.k_cache[lo:hi, :max_s], self.v_cache[lo:hi, :max_s]  # [S, K, Hkv, D]
-        else:
-            keys = self.k_cache[:, :max_s].index_select(0, meta.seq_slots)  # [S, K, Hkv, D]
-            values = self.v_cache[:, :max_s].index_select(0, meta.seq_slots)
+        index = meta.key_index(block_size)  # [S, K] flat pool rows
+        keys = flat_k.index_select(0, index.flatten()).view(num_seqs, max_s, self.num_kv_heads, self.head_dim)
+        values = flat_v.index_select(0, index.flatten()).view(num_seqs, max_s, self.num_kv_heads, self.head_dim)
         mask = meta.attn_mask if self.sliding_window is None else meta.sliding_window_mask(self.sliding_window)
         if self.logit_softcap is None:
             out = F.scaled_dot_product_attention(

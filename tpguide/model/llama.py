@@ -219,19 +219,36 @@ class LlamaForCausalLM(nn.Module):
         """KV heads on this rank (padded)."""
         return self.model.layers[0].self_attn.qkv_proj.num_kv_heads
 
-    def allocate_kv_cache(self, num_slots: int, max_model_len: int) -> None:
-        """Allocate zeroed per-layer caches ``[num_slots, max_model_len, num_local_kv_heads, head_dim]``.
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block of the allocated pool (raises RuntimeError before ``allocate_kv_cache``)."""
+        cache = self.model.layers[0].self_attn.attn.k_cache
+        if cache is None:
+            raise RuntimeError("KV cache not allocated: call allocate_kv_cache(num_blocks, block_size)")
+        return int(cache.size(1))
 
-        Model dtype, on ``group.device``; replaces any previous cache.  Also
-        fixes longrope's factor set for this cache length (see :mod:`tpguide.model.rotary`).
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV block of ``block_size`` tokens takes on this rank (k and v, every layer, model dtype)."""
+        per_token = 2 * self.num_local_kv_heads * self.config.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return per_token * block_size * len(self.model.layers)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, max_model_len: Optional[int] = None) -> None:
+        """Allocate zeroed per-layer block pools ``[num_blocks, block_size, num_local_kv_heads, head_dim]``.
+
+        docs/architecture.md §7 "KV cache".  Model dtype, on ``group.device``;
+        replaces any previous cache.  ``max_model_len`` (default
+        ``block_size``, the dense case: one block per slot) fixes longrope's
+        factor set for this cache (see :mod:`tpguide.model.rotary`).
 
         Raises
         ------
         ValueError
             If a size is < 1 or ``max_model_len > max_position_embeddings``.
         """
-        if num_slots < 1 or max_model_len < 1:
-            raise ValueError(f"num_slots and max_model_len must be >= 1, got {num_slots}, {max_model_len}")
+        max_model_len = block_size if max_model_len is None else max_model_len
+        if num_blocks < 1 or block_size < 1 or max_model_len < 1:
+            raise ValueError(f"num_blocks, block_size and max_model_len must be >= 1, got {num_blocks}, "
+                             f"{block_size}, {max_model_len}")
         if max_model_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} > max_position_embeddings={self.config.max_position_embeddings}"
@@ -239,7 +256,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module.set_max_model_len(max_model_len)  # longrope picks its factors per cache length
-        shape = (num_slots, max_model_len, self.num_local_kv_heads, self.config.head_dim)
+        shape = (num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim)
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = None  # free the old pool before the new one is allocated
+            layer.self_attn.attn.v_cache = None
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)
             layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)

@@ -87,6 +87,7 @@ class EngineLoop:
         self.engine, self.metrics = engine, metrics
         self.max_num_seqs, self.heartbeat_s = max_num_seqs, heartbeat_s
         self.replica, self.replica_name = replica, replica_name
+        self._kv_last = (0, 0, 0)  # this engine's (prefix queries, hits, preemptions) at the last update
         #: ``resubmit(subscriber, dead_loop) -> bool``: place a request of a dead loop elsewhere (True if placed)
         self.resubmit: Optional[Callable[[_Subscriber, "EngineLoop"], bool]] = None
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -250,6 +251,9 @@ class EngineLoop:
         else:  # the totals are the router's functions over every replica
             self.metrics.replica_running.labels(replica=str(self.replica)).set(running)
             self.metrics.replica_waiting.labels(replica=str(self.replica)).set(waiting)
+        kv_cache_stats = getattr(self.engine, "kv_cache_stats", None)  # a remote replica's proxy has none (yet)
+        if kv_cache_stats is not None:
+            self._kv_last = self.metrics.observe_kv_cache(kv_cache_stats(), self._kv_last, self.replica)
 
     def _dispatch(self, outputs: Sequence[Any]) -> None:
         now = time.perf_counter()

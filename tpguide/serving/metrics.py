@@ -37,6 +37,16 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.failed = Counter("tpguide:request_failure", "Requests failed, by error kind", ["error_kind"],
                               registry=r)
+        self.kv_blocks_used = Gauge("tpguide:kv_cache_blocks_used", "KV blocks referenced by running requests",
+                                    registry=r)
+        self.kv_blocks_free = Gauge("tpguide:kv_cache_blocks_free", "KV blocks free (cached ones included: "
+                                    "evictable)", registry=r)
+        self.prefix_queries = Counter("tpguide:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("tpguide:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.preemptions = Counter("tpguide:num_preemptions", "Requests preempted (recomputed later) when the KV "
+                                   "cache ran out of blocks", registry=r)
         # data parallel (docs/architecture.md §1 "Data parallel"): the same figures per replica
         self.replica_running = Gauge("tpguide:replica_num_requests_running", "Requests in a replica's batch",
                                      ["replica"], registry=r)
@@ -48,8 +58,33 @@ class ServerMetrics:
                                                  "replica", ["replica"], registry=r)
         self.replica_up = Gauge("tpguide:replica_up", "1 while a replica's engine loop runs", ["replica"],
                                 registry=r)
+        self.replica_kv_blocks_used = Gauge("tpguide:replica_kv_cache_blocks_used", "KV blocks in use in a "
+                                            "replica", ["replica"], registry=r)
+        self.replica_kv_blocks_free = Gauge("tpguide:replica_kv_cache_blocks_free", "KV blocks free in a replica",
+                                            ["replica"], registry=r)
         self.info = Gauge("tpguide:model_info", "The served model", list(labels), registry=r)
         self.info.labels(**labels).set(1)
+
+    def observe_kv_cache(self, stats, last: tuple, replica=None) -> tuple:
+        """Update the KV-cache metrics from one engine's :class:`~tpguide.engine.driver.KVCacheStats`.
+
+        ``last``: that engine's ``(queries, hits, preemptions)`` at its previous
+        call (``(0, 0, 0)`` at first); the counters grow by the difference, so
+        with data parallelism they total every replica.  Returns the new ``last``.
+        ``replica``: None, or the replica's number (block gauges per replica).
+        """
+        used, free = stats.num_used_blocks, stats.num_blocks - stats.num_used_blocks
+        if replica is None:
+            self.kv_blocks_used.set(used)
+            self.kv_blocks_free.set(free)
+        else:
+            self.replica_kv_blocks_used.labels(replica=str(replica)).set(used)
+            self.replica_kv_blocks_free.labels(replica=str(replica)).set(free)
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, last):
+            if new > old:
+                counter.inc(new - old)
+        return now
 
     def render(self) -> tuple:
         """(body bytes, content type) of ``GET /metrics``."""

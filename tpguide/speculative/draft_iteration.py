@@ -29,8 +29,10 @@ class DraftPlan:
     ----------
     input_ids : torch.Tensor
         int64 ``[R]``: each request's last token (golden or latest draft).
-    seq_slots, context_lens : list of int
-        KV slot per row and the tokens cached before it: the token's position
+    block_tables : list of list of int
+        Per row: its request's KV blocks (position order).
+    context_lens : list of int
+        Per row: the tokens cached before it, the token's position
         (RoPE and KV write, one source as in :class:`~tpguide.worker.protocol.StepPlan`).
     token_mask : torch.Tensor or None
         int32 ``[R]``, 1 on guided rows; None when no row is guided (then no
@@ -39,7 +41,7 @@ class DraftPlan:
     """
 
     input_ids: torch.Tensor
-    seq_slots: List[int]
+    block_tables: List[List[int]]
     context_lens: List[int]
     token_mask: Optional[torch.Tensor] = None
 
@@ -64,7 +66,7 @@ def run_draft_iteration(head: DraftHead, plan: DraftPlan, group: TPGroup,
     """
     dev = group.device
     num_rows = plan.input_ids.numel()
-    meta = AttentionMetadata.from_lists(plan.seq_slots, [1] * num_rows, plan.context_lens, device=dev)
+    meta = AttentionMetadata.from_block_tables(plan.block_tables, [1] * num_rows, plan.context_lens, device=dev)
     hidden = head(plan.input_ids.to(dev), meta.token_positions, meta)  # [R, H]
     logits = head.lm_head.compute_draft_logits(hidden)  # [R, Dv_pad / T] fp32
     if plan.token_mask is not None:

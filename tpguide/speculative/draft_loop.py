@@ -46,15 +46,17 @@ class DraftRequest:
     Attributes
     ----------
     slot : int
-        Its KV-cache slot (and matcher slot).
+        Its matcher slot.
     last_token : int
         The token the step feeds first (the last sampled, "golden" token).
     position : int
         Absolute position of ``last_token``.
     max_drafts : int
-        Draft positions the scheduler reserved (``k``).
+        Draft positions the scheduler reserved (``k``); its blocks cover them.
     guided : bool
         Its matcher masks the drafts.
+    block_table : list of int
+        Its KV blocks in position order.
     """
 
     slot: int
@@ -62,6 +64,7 @@ class DraftRequest:
     position: int
     max_drafts: int
     guided: bool
+    block_table: List[int] = ()
 
 
 def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, requests: Sequence[DraftRequest],
@@ -94,7 +97,7 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
             token_mask = token_mask.clone()
         plan = DraftPlan(
             input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in active], dtype=torch.int64),
-            seq_slots=[requests[i].slot for i in active],
+            block_tables=[list(requests[i].block_table) for i in active],
             context_lens=[requests[i].position + len(drafts[i]) for i in active],
             token_mask=token_mask,
         )

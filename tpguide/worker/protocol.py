@@ -55,8 +55,12 @@ class StepPlan:
     ----------
     input_ids : torch.Tensor
         int64 ``[num_tokens]``: the flattened new tokens, sequence after sequence.
-    seq_slots, query_lens, context_lens : list of int
-        Per scheduled sequence (batch order): KV slot, new tokens, tokens already cached.
+    block_tables : list of list of int
+        Per scheduled sequence (batch order): its KV blocks in position order
+        (position ``j`` in block ``block_tables[s][j // block_size]``,
+        docs/architecture.md §7 "KV cache"); the driver allocated them.
+    query_lens, context_lens : list of int
+        Per scheduled sequence: new tokens, tokens already cached.
     selected_token_indices : torch.Tensor
         int32 ``[num_sample_rows]``: hidden-state rows that go through the LM
         head (docs/architecture.md §4), the same on every rank.
@@ -80,7 +84,7 @@ class StepPlan:
     """
 
     input_ids: torch.Tensor
-    seq_slots: List[int]
+    block_tables: List[List[int]]
     query_lens: List[int]
     context_lens: List[int]
     selected_token_indices: torch.Tensor
@@ -91,9 +95,9 @@ class StepPlan:
     num_prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        n = len(self.seq_slots)
+        n = len(self.block_tables)
         if len(self.query_lens) != n or len(self.context_lens) != n:
-            raise ValueError(f"seq_slots ({n}), query_lens ({len(self.query_lens)}) and context_lens "
+            raise ValueError(f"block_tables ({n}), query_lens ({len(self.query_lens)}) and context_lens "
                              f"({len(self.context_lens)}) must have one entry per sequence")
         if self.input_ids.numel() != sum(self.query_lens):
             raise ValueError(f"input_ids has {self.input_ids.numel()} tokens, sum(query_lens) = "

@@ -75,7 +75,8 @@ class StepRunner:
         if self.on_step is not None:
             self.on_step()
         dev = self.group.device
-        meta = AttentionMetadata.from_lists(plan.seq_slots, plan.query_lens, plan.context_lens, device=dev)
+        meta = AttentionMetadata.from_block_tables(plan.block_tables, plan.query_lens, plan.context_lens, device=dev,
+                                                   block_size=self.model.kv_block_size)
         hidden = self.model(plan.input_ids.to(dev), meta.token_positions, meta)  # [T, H]
         prompt = None
         if plan.selected_prompt_indices is not None:
