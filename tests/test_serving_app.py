@@ -94,7 +94,13 @@ def test_guided_choice_and_metrics(app_client):
     for _ in range(2):
         r = chat(client, temperature=0, max_tokens=8, guided_choice=["alpha", "beta"])
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("alpha", "beta")
+    # the engine loop updates its gauges after the step that finished the request, which may be
+    # after the response went out: wait (bounded) for them instead of racing the loop
+    deadline = time.monotonic() + 10
     text = client.get("/metrics").text
+    while "tpguide:num_requests_running 0.0" not in text and time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = client.get("/metrics").text
     assert "tpguide:grammar_cache_hits_total 1.0" in text and "tpguide:num_requests_running 0.0" in text
 
 
