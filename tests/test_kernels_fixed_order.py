@@ -189,5 +189,6 @@ def test_choose_isa_caps_by_the_forced_value():
     assert choose_isa(flags, "AVX2") == "avx2"
     assert choose_isa({"avx2", "fma"}, "avx512") == "avx2"
     assert choose_isa(set(), None) == "default"
+    assert choose_isa(flags, "") == "avx512"  # empty = unset, as torch reads it
     with pytest.raises(ValueError, match="ATEN_CPU_CAPABILITY='zen5'"):
         choose_isa(flags, "zen5")

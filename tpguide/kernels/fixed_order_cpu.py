@@ -90,8 +90,8 @@ def cpu_flags() -> set[str]:
 def choose_isa(flags: set[str], forced: Optional[str]) -> str:
     """``"amx"``, ``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
 
-    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (one of those names, or
-    None); an unknown value raises ``ValueError`` naming it.
+    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (one of those names; None
+    or empty = unset); an unknown value raises ``ValueError`` naming it.
     """
     order = ["default", "avx2", "avx512", "amx"]
     have = "default"
@@ -101,7 +101,7 @@ def choose_isa(flags: set[str], forced: Optional[str]) -> str:
         have = "avx512"
         if {"amx_tile", "amx_bf16"} <= flags:
             have = "amx"
-    if forced is None:
+    if forced is None or not forced.strip():  # unset or empty: torch ignores it too
         return have
     forced = forced.lower()
     if forced not in order:
