@@ -100,6 +100,7 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- asyncio side
     def start(self) -> None:
+        self._update_gauges()  # an idle server reports its empty batch and free KV blocks from the start
         self._thread.start()
 
     @property
