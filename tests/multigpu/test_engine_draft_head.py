@@ -63,7 +63,7 @@ def run_requests(group, model_dir, config, ids=None):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_path):
-    return run_requests(TPGroup(), tiny_model_path, EngineConfig(**BASE))[0]
+    return run_requests(TPGroup(), tiny_model_path, EngineConfig(**BASE, speculative_method=None))[0]
 
 
 def _same(outputs, reference, ids=None):

@@ -33,7 +33,7 @@ REQUESTS = [
     {"id": "repeat-sampled", "prompt": "a b a b a b a b", "max_tokens": 14, "temperature": 0.8, "top_k": 20, "seed": 11},
 ]
 BASE = dict(max_num_seqs=4, max_num_batched_tokens=40, max_model_len=128)
-PLAIN = EngineConfig(**BASE)
+PLAIN = EngineConfig(**BASE, speculative_method=None)
 SPEC = EngineConfig(**BASE, speculative_method="ngram", num_speculative_tokens=3)
 
 
