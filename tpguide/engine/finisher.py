@@ -119,7 +119,7 @@ class StepFinisher:
 
         Each token goes through :meth:`_append`, the matcher accepting it as any
         output token: the bitmask fill rolled its drafts back at once
-        (:mod:`tpguide.guided.draft_cursor`), so nothing is rolled back here.
+        (:mod:`tpguide.guided.spec_decoder`), so nothing is rolled back here.
         """
         verdict = self.spec.verify(drafts, result.token_ids, first_row, req.slot)
         req.num_computed_tokens -= len(drafts) - verdict.num_accepted  # rejected positions: overwritten later

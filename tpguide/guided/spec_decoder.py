@@ -1,26 +1,34 @@
-"""``SpeculativeGuidedDecoder``: the matchers of speculative decoding, asked about drafts (docs/architecture.md §5).
+"""The matchers of speculative decoding, asked about drafts under one rollback discipline (docs/architecture.md §5).
 
-A :class:`~tpguide.guided.decoder.GuidedDecoder` whose fill takes, per
-scheduled request, the drafts it verifies this step and fills ``1 + k``
-consecutive rows::
+**The discipline.**  Between steps a matcher holds exactly the verified
+tokens of its request.  Whatever advances it through tokens that are *not*
+verified does so through a :class:`DraftCursor` inside :func:`drafting`,
+and the matcher is back where it started when the block ends, whatever
+happened inside.  The tokens the target model verifies are then accepted
+by the one path every output token takes
+(:class:`tpguide.engine.finisher.StepFinisher`), so nothing is rolled back
+after verification and no counter has to say how far.  vLLM's
+structured-output manager does the same (fill, accept, roll back at once).
+Every drafter and the fill follow it:
 
-    row 0   state after the verified tokens          (fill)
-    row j   state after d_1 .. d_j                   (accept d_j, fill)
-            stop at the first draft the grammar rejects, at a stop token
-            or at a dead end: the later rows are unguided
-    then    roll the matcher back at once            (draft_cursor.drafting)
+* the bitmask fill of a verify pass (:meth:`SpeculativeGuidedDecoder.fill_bitmask_with_drafts`),
+  ``1 + k`` consecutive rows per request::
 
-Rows past the last filled one are unguided: the target can never reach them
-as its bonus row, because row ``m`` forbids ``d_{m+1}`` (or the request
-stopped at ``d_m``).  After the step the finisher accepts the verified
-tokens one by one, as it accepts every output token.
+      row 0   state after the verified tokens          (fill)
+      row j   state after d_1 .. d_j                   (accept d_j, fill)
+              stop at the first draft the grammar rejects, at a stop token
+              or at a dead end: the later rows are unguided
+      then    roll the matcher back at once
 
-Every other question about drafts goes through a cursor of the same
-discipline (:meth:`drafting`): the drafts a grammar accepts
-(:meth:`accepted_prefix`: n-gram drafts), the forced tokens of the grammar
-drafter (:mod:`tpguide.speculative.grammar_draft`), and the draft head's
-masks (:meth:`fill_draft_bitmask`, one full row per drafting request from
-its state after ``d_1 .. d_j``; :mod:`tpguide.speculative.draft_loop`).
+  Rows past the last filled one are unguided: the target can never reach
+  them as its bonus row, because row ``m`` forbids ``d_{m+1}`` (or the
+  request stopped at ``d_m``);
+* the drafts a grammar accepts (:meth:`~SpeculativeGuidedDecoder.accepted_prefix`: n-gram drafts);
+* the grammar drafter's forced tokens (:mod:`tpguide.speculative.grammar_draft`);
+* the draft head's masks (:meth:`~SpeculativeGuidedDecoder.fill_draft_bitmask`,
+  one full row per drafting request from its state after ``d_1 .. d_j``,
+  with a cursor per request for the whole drafting loop;
+  :mod:`tpguide.speculative.draft_loop`).
 """
 
 from __future__ import annotations
@@ -32,7 +40,62 @@ import torch
 
 from tpguide.guided.bitmask import find_dead_end_rows
 from tpguide.guided.decoder import GuidedDecoder
-from tpguide.guided.draft_cursor import DraftCursor, drafting
+from tpguide.guided.matcher import GrammarMatcher
+
+
+class DraftCursor:
+    """A matcher advanced through draft tokens; :func:`drafting` rolls it back.
+
+    Parameters
+    ----------
+    matcher : GrammarMatcher
+
+    Attributes
+    ----------
+    num_advanced : int
+        Drafts accepted so far (the rollback at the end).
+    """
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.num_advanced = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a draft; False (state unchanged) if the grammar rejects it or the matcher raises."""
+        try:
+            ok = bool(self.matcher.accept_token(int(token_id)))
+        except Exception:  # noqa: BLE001 - a draft never fails a request; verification reports errors
+            ok = False
+        self.num_advanced += ok
+        return ok
+
+    def rollback(self) -> None:
+        """Undo every draft accepted so far.
+
+        Raises
+        ------
+        ValueError
+            The matcher cannot roll back that far (an engine bug).
+        """
+        n, self.num_advanced = self.num_advanced, 0
+        if n:
+            self.matcher.rollback(n)
+
+
+@contextlib.contextmanager
+def drafting(matcher: GrammarMatcher) -> Iterator[DraftCursor]:
+    """A :class:`DraftCursor` on ``matcher``, rolled back to the state it started in when the block ends.
+
+    Raises
+    ------
+    ValueError
+        The rollback failed (an engine bug; the step fails).
+    """
+    cursor = DraftCursor(matcher)
+    try:
+        yield cursor
+    finally:
+        cursor.rollback()
 
 
 class SpeculativeGuidedDecoder(GuidedDecoder):
@@ -44,7 +107,7 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
 
     @contextlib.contextmanager
     def drafting(self, slot: int) -> Iterator[DraftCursor]:
-        """A cursor on ``slot``'s matcher, rolled back when the block ends (:func:`~tpguide.guided.draft_cursor.drafting`).
+        """A cursor on ``slot``'s matcher, rolled back when the block ends (:func:`drafting`).
 
         Raises
         ------

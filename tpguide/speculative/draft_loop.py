@@ -16,7 +16,7 @@ the token budget); before the step's plan is built the engine runs up to
              drafting at -1 (the grammar allows no draft id), a stop token,
              a terminated matcher or its reserved k
 
-each guided request drafts through a cursor (:mod:`tpguide.guided.draft_cursor`)
+each guided request drafts through a cursor (:mod:`tpguide.guided.spec_decoder`)
 that rolls its matcher back at the end of the loop, the discipline of every
 drafter; :func:`draft_with_head` returns the drafts and the
 driver puts them in its step's records.  It imports nothing of the driver

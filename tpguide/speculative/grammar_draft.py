@@ -19,7 +19,7 @@ it costs one verify pass for up to ``K`` of them::
              character the string call leaves out)
 
 all through one cursor that rolls the matcher back at the end
-(:mod:`tpguide.guided.draft_cursor`).  The target model verifies the drafts
+(:mod:`tpguide.guided.spec_decoder`).  The target model verifies the drafts
 with the exact rule (:mod:`tpguide.speculative.verify`), so the output is
 that of token-by-token decoding.  Unlike SGLang's jump-forward decoding,
 which appends the retokenized text outright and so can change the tokens,

@@ -16,7 +16,7 @@ The drafts come from the grammar drafter (forced text of a guided request,
 :mod:`tpguide.speculative.grammar_draft`), else from the configured
 fallback (n-gram lookup, the draft head), else there are none.  Every
 drafter and the bitmask fill advance the matcher through drafts only inside
-a cursor rolled back at once (:mod:`tpguide.guided.draft_cursor`), so the
+a cursor rolled back at once (:mod:`tpguide.guided.spec_decoder`), so the
 matcher holds the verified tokens between steps.
 
 The acceptance rule is exact for a deterministic draft: greedy rows take the
