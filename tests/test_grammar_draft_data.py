@@ -20,9 +20,10 @@ from grammar_draft_testing import key, run
 
 from tpguide.dist import TPGroup
 from tpguide.engine.engine import EngineConfig
+from tpguide.model.dtype import resolve_dtype
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data"
-BASE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048)
+BASE = dict(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048, dtype=resolve_dtype("auto", "cpu"))
 
 
 @pytest.mark.parametrize("name", ["vllm_fixtures.jsonl", "jsonschemabench_requests.jsonl"])

@@ -16,9 +16,10 @@ from grammar_draft_testing import key, run, tool_call_lines
 from tpguide.dist import TPGroup
 from tpguide.engine.demo_requests import DEMO_REQUESTS
 from tpguide.engine.engine import EngineConfig
+from tpguide.model.dtype import resolve_dtype
 
 pytestmark = pytest.mark.slow
-BASE = dict(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
+BASE = dict(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024, dtype=resolve_dtype("auto", "cpu"))
 
 
 def test_real_model_accepts_forced_text_and_changes_no_token(default_model_path, backend="xgrammar"):

@@ -6,7 +6,8 @@ on xgrammar and on llguidance: the default engine (grammar drafts for guided
 requests, K = 4) at tp 1 and on two gloo ranks gives exactly the tokens and
 logprobs of an engine without drafts, and it did draft forced text, had
 some of it accepted, and took fewer forward passes than it generated
-tokens.  The tiny random-weight model; the embedded model is in
+tokens.  The tiny random-weight model, in the CPU's default dtype
+(``--dtype auto``: bf16 with AVX512_BF16 or AMX); the embedded model is in
 ``tests/test_grammar_draft_real.py``.
 """
 
@@ -19,9 +20,10 @@ from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine.demo_requests import DEMO_REQUESTS
 from tpguide.engine.engine import EngineConfig
+from tpguide.model.dtype import resolve_dtype
 
 MAX_TOKENS = 12
-BASE = dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
+BASE = dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, dtype=resolve_dtype("auto", "cpu"))
 def request_lines(backend: str) -> list:
     """The demo as written (one of its requests is sampled), two more seeded-sampled copies, the tool calls.
 
