@@ -77,7 +77,11 @@ class ServerMetrics:
         self._speculation_seen: dict = {}
 
     def record_speculation(self, stats) -> None:
-        """Bring the speculation counters up to ``stats`` (the engine's cumulative ``SpecStats``; None: off)."""
+        """Bring the speculation counters up to ``stats`` (the engine's cumulative ``SpecStats``; None: off).
+
+        Under data parallel only the front end's own replica (0) counts: a
+        remote replica's driver state stays on its node.
+        """
         if stats is None:
             return
         for field, counter in self.speculation.items():
