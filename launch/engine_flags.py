@@ -56,12 +56,17 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                         "mode the outputs do not depend on it")
     p.add_argument("--seed", type=int, default=0,
                    help="run seed; a request without 'seed' uses seed * 1000003 + its index (default 0)")
-    p.add_argument("--speculative-method", choices=["ngram", "draft-head"], default=None,
-                   help="draft tokens verified by the model each decode step (ngram: prompt lookup; "
-                        "draft-head: the model's first layers + a pruned vocab-parallel LM head); "
-                        "output tokens are the same as without it")
+    p.add_argument("--speculative-method", choices=["grammar", "ngram", "draft-head", "none"], default="grammar",
+                   help="draft tokens verified by the model each decode step; output tokens are the same as "
+                        "without them.  grammar (the default): guided requests draft the text their grammar "
+                        "forces, unguided ones do not draft; ngram (prompt lookup) and draft-head (the model's "
+                        "first layers + a pruned vocab-parallel LM head) draft every request, and are the "
+                        "fallback of guided requests where nothing is forced; none: no drafts")
+    p.add_argument("--no-grammar-draft", dest="grammar_draft", action="store_false",
+                   help="no forced-text drafts: with ngram or draft-head, that drafter alone; with grammar "
+                        "(the default), no drafts at all, as --speculative-method none")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="most drafts per request per step, 1..16 (default 4 with --speculative-method)")
+                   help="most drafts per request per step, 1..16 (default 4)")
     p.add_argument("--draft-num-layers", type=int, default=None,
                    help="draft-head: target layers the drafter runs (default: a third, rounded up)")
     p.add_argument("--draft-vocab-size", type=int, default=None,
@@ -112,9 +117,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                          f"draft-head, got --speculative-method {args.speculative_method}")
     if args.collective_timeout <= 0:
         raise ValueError(f"--collective-timeout must be > 0, got {args.collective_timeout}")
-    k = args.num_speculative_tokens
-    if k is None:
-        k = 4 if args.speculative_method else 0
+    method = None if args.speculative_method == "none" else args.speculative_method
+    if method == "grammar" and not args.grammar_draft:
+        method = None
+    if method is None and args.num_speculative_tokens is not None:
+        raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} needs drafts, got "
+                         f"--speculative-method {args.speculative_method}"
+                         f"{'' if args.grammar_draft else ' --no-grammar-draft'}")
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory,
@@ -122,8 +131,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, guided_backend=args.guided_backend,
                         json_whitespace=args.json_whitespace, grammar_compile_timeout_s=args.grammar_compile_timeout,
                         seed=args.seed, dtype=_dtype(args), tp_invariant=args.tp_invariant,
-                        speculative_method=args.speculative_method,
-                        num_speculative_tokens=k, draft_num_layers=args.draft_num_layers,
+                        speculative_method=method, grammar_draft=args.grammar_draft,
+                        num_speculative_tokens=args.num_speculative_tokens, draft_num_layers=args.draft_num_layers,
                         draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
                         draft_lens=args.draft_lens)
 

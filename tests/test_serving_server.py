@@ -283,10 +283,12 @@ def test_metrics_exposition(server):
     for name in ("tpguide:num_requests_waiting", "tpguide:prompt_tokens_total", "tpguide:generation_tokens_total",
                  "tpguide:time_to_first_token_seconds_bucket", "tpguide:inter_token_latency_seconds_bucket",
                  "tpguide:e2e_request_latency_seconds_bucket", "tpguide:grammar_compile_seconds_bucket",
-                 "tpguide:grammar_cache_hits_total", 'tpguide:request_failure_total{error_kind="invalid_request"}'):
+                 "tpguide:grammar_cache_hits_total", 'tpguide:request_failure_total{error_kind="invalid_request"}',
+                 "tpguide:spec_decode_num_forced_draft_tokens_total", "tpguide:spec_decode_num_forward_passes_total"):
         assert name in text, name
     assert metric(server, "tpguide:generation_tokens_total") > 0
     assert metric(server, "tpguide:grammar_cache_hits_total") >= 1
+    assert metric(server, "tpguide:spec_decode_num_forward_passes_total") > 0  # grammar drafts are on by default
 
 
 def post(server, endpoint, body):

@@ -15,6 +15,7 @@ Either way every request must reproduce the tokens and finish reason of a
 run without speculation.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -63,7 +64,7 @@ def run_requests(group, model_dir, config, ids=None):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_path):
-    return run_requests(TPGroup(), tiny_model_path, EngineConfig(**BASE))[0]
+    return run_requests(TPGroup(), tiny_model_path, EngineConfig(**BASE, speculative_method=None))[0]
 
 
 def _same(outputs, reference, ids=None):
@@ -79,6 +80,14 @@ def test_perfect_drafter_equals_plain_and_is_accepted(reference, tiny_model_path
         _same(outputs, reference, GREEDY_IDS)
         assert stats.num_drafted > 20, stats
         assert stats.num_accepted >= 0.9 * stats.num_drafted, stats  # the drafter is the target
+
+
+def test_perfect_drafter_alone_equals_plain(reference, tiny_model_path):
+    """Without grammar drafts in front of it (``PERFECT`` has them: the draft head is their fallback)."""
+    alone = dataclasses.replace(PERFECT, grammar_draft=False)
+    outputs, stats = run_requests(TPGroup(), tiny_model_path, alone, GREEDY_IDS)
+    _same(outputs, reference, GREEDY_IDS)
+    assert stats.num_forced_drafted == 0 and stats.num_accepted >= 0.9 * stats.num_drafted > 20, stats
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

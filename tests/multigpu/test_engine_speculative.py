@@ -6,9 +6,12 @@ accepted) the tests use an *oracle* proposer that drafts the reference
 continuation with deliberate mistakes: whole windows accepted, partial
 acceptance, drafts the grammar rejects, stop tokens and ``max_tokens`` inside
 a window, filler drafted past the end.  Every case must reproduce the
-non-speculative tokens and finish reasons exactly.
+non-speculative tokens and finish reasons exactly.  ``SPEC`` has the
+default grammar drafts in front of the n-gram drafter (its fallback); one
+run has the n-gram drafter alone.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -33,7 +36,7 @@ REQUESTS = [
     {"id": "repeat-sampled", "prompt": "a b a b a b a b", "max_tokens": 14, "temperature": 0.8, "top_k": 20, "seed": 11},
 ]
 BASE = dict(max_num_seqs=4, max_num_batched_tokens=40, max_model_len=128)
-PLAIN = EngineConfig(**BASE)
+PLAIN = EngineConfig(**BASE, speculative_method=None)
 SPEC = EngineConfig(**BASE, speculative_method="ngram", num_speculative_tokens=3)
 
 
@@ -93,13 +96,18 @@ def _same(outputs, reference):
         assert (o["id"], o["token_ids"], o["finish_reason"]) == (r["id"], r["token_ids"], r["finish_reason"])
 
 
-def test_tp1_speculative_equals_plain_and_accepts_drafts(reference, tiny_model_path):
-    outputs, spec = _run_tp1(tiny_model_path, SPEC)
+@pytest.mark.parametrize("grammar_draft", [True, False], ids=["ngram-as-fallback", "ngram-alone"])
+def test_tp1_speculative_equals_plain_and_accepts_drafts(reference, tiny_model_path, grammar_draft):
+    outputs, spec = _run_tp1(tiny_model_path, dataclasses.replace(SPEC, grammar_draft=grammar_draft))
     _same(outputs, reference)
     assert all(o["finish_reason"] in ("stop", "length") for o in outputs)
     stats = spec.stats
     assert stats.num_drafted > 0 and stats.num_accepted > 0, stats
     assert stats.num_accepted <= stats.num_drafted
+    if grammar_draft:  # forced text where the grammar forces some, n-gram drafts elsewhere
+        assert 0 < stats.num_forced_drafted < stats.num_drafted, stats
+    else:
+        assert stats.num_forced_drafted == 0, stats
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -30,7 +30,7 @@ REQUESTS = [
     {"id": "free", "prompt": "1 2 3 1 2 3 1 2 3", "max_tokens": 12, "ignore_eos": True},
 ]
 BASE = dict(max_num_seqs=4, max_num_batched_tokens=40, max_model_len=128)
-PLAIN = EngineConfig(**BASE)
+PLAIN = EngineConfig(**BASE, speculative_method=None)
 NGRAM = EngineConfig(**BASE, speculative_method="ngram", num_speculative_tokens=4)
 DRAFT_HEAD = EngineConfig(**BASE, speculative_method="draft-head", num_speculative_tokens=3, draft_num_layers=2,
                           draft_vocab_size=49152)

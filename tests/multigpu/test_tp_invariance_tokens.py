@@ -5,7 +5,8 @@ shared bench data is present, ``../shared/bench-data/vllm_fixtures.jsonl``;
 each is run greedy (as written) and once more with seeded sampling, all in
 one engine run per tp size.  The demo runs at tp 2, 3 and 4; the fixtures
 (the ``slow`` set, without the demo again) at tp 4, the size that pads
-both the heads and the vocabulary, against tp 1.  The
+both the heads and the vocabulary, against tp 1.  The engine is the default
+one (grammar drafts for guided requests).  The
 model is the tiny random Llama with SmolLM2's tokenizer (heads padded at tp 2
 and 4); ``max_tokens`` is capped so one job per tp size stays short.  With
 TP-invariant reductions the logits are bit-identical (``test_tp_invariance``),
@@ -133,10 +134,14 @@ def test_each_request_alone_equals_in_the_file(demo_reference, tiny_model_path, 
     assert _outputs_key(_each_alone(tiny_model_path, demo)) == _outputs_key(demo_reference)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-head"])
+@pytest.mark.parametrize("method", [None, "ngram", "draft-head"], ids=["no-drafts", "ngram", "draft-head"])
 def test_speculation_equals_plain(demo_reference, tiny_model_path, demo, method):
-    """Drafts verified in passes of 1 + K rows change nothing: the verify rows equal decode rows bit for bit."""
+    """Drafts verified in passes of 1 + K rows change nothing: the verify rows equal decode rows bit for bit.
+
+    The reference runs the default engine (grammar drafts for guided requests); here no drafts at all,
+    or n-gram / draft-head drafts behind the grammar's.
+    """
     import dataclasses
 
-    config = dataclasses.replace(CONFIG, speculative_method=method, num_speculative_tokens=4)
+    config = dataclasses.replace(CONFIG, speculative_method=method, num_speculative_tokens=4 if method else 0)
     assert _outputs_key(generate_on_group(TPGroup(), tiny_model_path, demo, config)) == _outputs_key(demo_reference)

@@ -43,7 +43,7 @@ from tpguide.guided.admission import admit
 from tpguide.guided.compile_service import CompileService
 from tpguide.guided.schema_check import validate_output
 from tpguide.speculative.draft_loop import DraftRequest
-from tpguide.speculative.verify import Speculator
+from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 from tpguide.worker.protocol import StepResult
 
 
@@ -112,12 +112,16 @@ def admit_request(req: Request, tokenizer, config, compile_guide: Callable) -> N
 
 
 def _check_stop_and_penalties(req: Request, tokenizer_vocab_size: int, config) -> None:
-    """Refuse what could not be honoured: a stop string cutting a guided output, penalties with drafts."""
+    """Refuse what could not be honoured: a stop string cutting a guided output, penalties with drafts.
+
+    Grammar drafts skip a request with penalties (:meth:`Speculator.propose`);
+    the n-gram and draft-head drafters would draft every request.
+    """
     sp = req.sampling_params
     if sp.stop and req.structured_output is not None:
         raise ValueError(f"stop strings {list(sp.stop)} cannot be combined with structured_output: the output "
                          "cut at a stop string would not satisfy its guide")
-    if sp.has_penalties and config.speculative_method is not None:
+    if sp.has_penalties and config.speculative_method in ("ngram", "draft-head"):
         raise ValueError("presence/frequency/repetition penalties and logit_bias are not supported with "
                          f"speculative decoding (speculative_method={config.speculative_method!r})")
     bad = [t for t, _ in sp.logit_bias if t >= tokenizer_vocab_size]
@@ -169,10 +173,16 @@ class Driver:
         self.guided: Optional[GuidedDecoder] = None  # built on the first guided request (takes a few seconds)
         self.spec: Optional[Speculator] = None  # drafting and verification, with speculative decoding
         if config.speculative_method is not None:
-            self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len)
+            grammar = None
+            if config.grammar_draft:
+                from tpguide.speculative.grammar_draft import GrammarDrafter
+
+                grammar = GrammarDrafter(tokenizer, padded_vocab_size)
+            self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len,
+                                   grammar_drafter=grammar)
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   propose_drafts=self.spec.propose if self.spec else None, kv=self.kv)
+                                   propose_drafts=self._propose_drafts if self.spec else None, kv=self.kv)
         self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec,
                                      detokenize=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
         self.num_steps = 0
@@ -190,6 +200,10 @@ class Driver:
     @stop_token_ids.setter
     def stop_token_ids(self, ids) -> None:
         self.finisher.stop_token_ids = set(ids)
+
+    def _propose_drafts(self, req: Request, budget: int) -> List[int]:
+        """The scheduler's hook: ``req``'s drafts, with the matchers for a guided request."""
+        return self.spec.propose(req, budget, self.guided if req.structured_output is not None else None)
 
     # ------------------------------------------------------------ admission
     def guided_decoder(self) -> GuidedDecoder:
@@ -341,8 +355,12 @@ class Driver:
         return planned_step_of(self.num_steps, scheduled)
 
     def _with_drafts(self, scheduled: List[ScheduledRequest], draft) -> List[ScheduledRequest]:
-        """``scheduled`` with its reserved draft positions replaced by the drafter's drafts."""
-        drafting = [s for s in scheduled if s.num_draft_tokens and not s.request.is_finished]
+        """``scheduled`` with its reserved draft positions (:data:`DRAFT_PENDING`) replaced by the drafter's drafts.
+
+        Requests that drafted their forced text already keep those drafts.
+        """
+        drafting = [s for s in scheduled if s.num_draft_tokens and s.token_ids[1] == DRAFT_PENDING
+                    and not s.request.is_finished]
         requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
                                  max_drafts=s.num_draft_tokens,
                                  guided=(self.guided is not None and s.request.structured_output is not None
@@ -352,7 +370,7 @@ class Driver:
         found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
         return [dataclasses.replace(s, token_ids=s.token_ids[:1] + found.get(id(s), []),
                                     num_draft_tokens=len(found.get(id(s), [])))
-                if s.num_draft_tokens else s for s in scheduled]
+                if s.num_draft_tokens and s.token_ids[1] == DRAFT_PENDING else s for s in scheduled]
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""

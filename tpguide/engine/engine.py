@@ -102,12 +102,23 @@ class EngineConfig:
         TP-invariant row-parallel reductions: logits, tokens and logprobs
         bit-identical at tp 1..4 in every dtype (docs/architecture.md §6);
         False: plain all-reduce.
-    speculative_method : {None, "ngram", "draft-head"}
+    speculative_method : {"grammar", "ngram", "draft-head", None}
         Draft tokens verified by the target model each decode step
-        (:mod:`tpguide.speculative.verify`); None = off.  ``"draft-head"``
-        needs the engine built with a draft head (:func:`build_engine`).
-    num_speculative_tokens : int
-        ``K``, the most drafts per request per step (``>= 1`` with a method, 0 without).
+        (:mod:`tpguide.speculative.verify`); output tokens are those of a
+        run without drafts.  ``"grammar"`` (the default): a guided request
+        drafts the text its grammar forces
+        (:mod:`tpguide.speculative.grammar_draft`), nothing else drafts.
+        ``"ngram"`` / ``"draft-head"``: every request drafts by prompt lookup
+        / with the draft head (which needs the engine built with one,
+        :func:`build_engine`), guided requests their forced text first
+        unless ``grammar_draft`` is False.  None: no drafts at all.
+    grammar_draft : bool
+        With ``"ngram"`` or ``"draft-head"``: draft forced text first where
+        the grammar forces some (default True); False with ``"grammar"`` is
+        refused (use None).
+    num_speculative_tokens : int or None
+        ``K``, the most drafts per request per step, in 1..16 with a method;
+        None = 4 with a method, 0 without (resolved when the config is built).
     draft_num_layers : int or None
         ``draft-head``: target layers the drafter runs; None = a third of the
         layers (rounded up).
@@ -134,14 +145,17 @@ class EngineConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     tp_invariant: bool = True
-    speculative_method: Optional[str] = None
-    num_speculative_tokens: int = 0
+    speculative_method: Optional[str] = "grammar"
+    grammar_draft: bool = True
+    num_speculative_tokens: Optional[int] = None
     draft_num_layers: Optional[int] = None
     draft_vocab_size: int = 8192
     draft_lens: bool = True
 
     def __post_init__(self) -> None:
-        _check_speculative(self.speculative_method, self.num_speculative_tokens)
+        _check_speculative(self.speculative_method, self.num_speculative_tokens, self.grammar_draft)
+        if self.num_speculative_tokens is None:  # resolved once, before anyone reads it
+            object.__setattr__(self, "num_speculative_tokens", 0 if self.speculative_method is None else 4)
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError(f"draft_num_layers must be >= 1, got {self.draft_num_layers}")
         if self.draft_vocab_size < 1:
@@ -162,15 +176,18 @@ class EngineConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
-def _check_speculative(method: Optional[str], k: int) -> None:
+def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: bool) -> None:
     from tpguide.speculative.verify import SPECULATIVE_METHODS
 
     if method is not None and method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_method must be None or one of {list(SPECULATIVE_METHODS)}, got {method!r}")
-    if method is None and k != 0:
+    if method is None and k not in (None, 0):
         raise ValueError(f"num_speculative_tokens={k} needs a speculative_method")
-    if method is not None and not 1 <= k <= 16:
+    if method is not None and k is not None and not 1 <= k <= 16:
         raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative_method={method!r}, got {k}")
+    if method == "grammar" and not grammar_draft:
+        raise ValueError("grammar_draft=False with speculative_method='grammar' drafts nothing: use "
+                         "speculative_method=None")
 
 
 # ---------------------------------------------------------------------- the engine API

@@ -7,8 +7,8 @@ requests, once per step.  In order:
    raised, each with its own reason) fail their request;
 2. every scheduled request advances ``num_computed_tokens``; a request whose
    sample is used gets its token (plain decode) or its verified window
-   (speculative: ``d_1 .. d_a, y_a`` from :meth:`Speculator.verify`, the
-   matcher rolled back to the accepted state);
+   (speculative: ``d_1 .. d_a, y_a`` from :meth:`Speculator.verify`), each
+   token accepted by the matcher on the same path;
 3. each appended token is checked for the stop conditions, in this order:
    grammar (the matcher rejects it, or is terminated after it: ``"stop"``),
    stop token (unless ``ignore_eos``), stop string (:mod:`tpguide.engine.stop_strings`),
@@ -27,7 +27,6 @@ from typing import Callable, Optional, Sequence, Set
 from tpguide.engine.planner import PlannedStep
 from tpguide.engine.request import Request
 from tpguide.engine.stop_strings import find_stop_string
-from tpguide.guided.spec_counters import SpecAccountingError
 from tpguide.worker.protocol import StepResult
 
 
@@ -70,12 +69,15 @@ class StepFinisher:
             req.num_computed_tokens += len(s.token_ids)
             if req.is_finished or not s.samples:
                 continue
+            before = len(req.output_token_ids)
             if self.spec is not None and not s.is_prefill:
                 self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step)
             elif result.bad_rows[first_row]:
                 self._fail_bad_row(req, result, first_row, step)
             else:
                 self._append(req, result.token_ids[first_row], result, first_row, guided, step)
+            if self.spec is not None:
+                self.spec.stats.record_pass(len(req.output_token_ids) - before)
             req.first_token_time = req.first_token_time or now
 
     def record_prompt_logprobs(self, planned: PlannedStep, result: StepResult) -> None:
@@ -113,45 +115,24 @@ class StepFinisher:
 
     # ------------------------------------------------------------------ tokens
     def _append_verified(self, req: Request, drafts, result: StepResult, first_row: int, guided, step: int) -> None:
-        """Speculative decode: append the verified window, truncated at the first stop condition."""
-        verdict = self.spec.verify(drafts, result.token_ids, first_row)
-        a = verdict.num_accepted
-        req.num_computed_tokens -= len(drafts) - a  # rejected positions: overwritten by later steps
-        accepted = a  # drafts the matcher already advanced through (clamped at a terminated matcher)
-        if req.structured_output is not None and guided is not None and hasattr(guided, "rollback_rejected"):
-            try:
-                accepted = guided.rollback_rejected(req.slot, a)
-            except SpecAccountingError as exc:  # a bug: report it loudly, fail this request only
-                print(f"[rank 0] speculative accounting bug for request {req.request_id!r}: {exc}",
-                      file=sys.stderr, flush=True)
-                req.fail(f"internal error (speculative accounting): {exc}")
-                return
-            except ValueError as exc:
-                req.fail(str(exc))
-                return
-        for j in range(accepted + 1):
-            row = verdict.rows[j]
+        """Speculative decode: append the verified window token by token, truncated at the first stop condition.
+
+        Each token goes through :meth:`_append`, the matcher accepting it as any
+        output token: the bitmask fill rolled its drafts back at once
+        (:mod:`tpguide.guided.spec_decoder`), so nothing is rolled back here.
+        """
+        verdict = self.spec.verify(drafts, result.token_ids, first_row, req.slot)
+        req.num_computed_tokens -= len(drafts) - verdict.num_accepted  # rejected positions: overwritten later
+        for token, row in zip(verdict.token_ids, verdict.rows):
             if result.bad_rows[row]:
                 self._fail_bad_row(req, result, row, step)
                 return
-            if j < accepted:  # the matcher advanced through this draft while filling the rows
-                # it can only be terminated after the last draft it advanced through
-                terminated = j == accepted - 1 and guided is not None and guided.is_terminated(req.slot)
-                self._append(req, verdict.token_ids[j], result, row, guided, step,
-                             advance_matcher=False, matcher_terminated=terminated)
-            else:
-                self._append(req, verdict.token_ids[j], result, row, guided, step)
+            self._append(req, token, result, row, guided, step)
             if req.is_finished:
                 return
 
-    def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int,
-                advance_matcher: bool = True, matcher_terminated: Optional[bool] = None) -> None:
-        """Append one output token and check the stop conditions.
-
-        ``advance_matcher=False``: a verified draft the matcher already
-        accepted while the rows were filled; ``matcher_terminated`` then says
-        whether the matcher is terminated after it.
-        """
+    def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int) -> None:
+        """Append one output token, advance the request's matcher by it, check the stop conditions."""
         req.output_token_ids.append(token)
         if req.sampling_params.logprobs:
             n = req.sampling_params.logprobs
@@ -162,16 +143,14 @@ class StepFinisher:
                         zip(result.top_logprob_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist())],
             })
         if req.structured_output is not None and guided is not None:
-            if advance_matcher:
-                try:
-                    if not guided.accept_token(req.slot, token):
-                        req.fail(f"grammar matcher rejected token {token} at step {step}")
-                        return
-                except ValueError as exc:
-                    req.fail(str(exc))
+            try:
+                if not guided.accept_token(req.slot, token):
+                    req.fail(f"grammar matcher rejected token {token} at step {step}")
                     return
-                matcher_terminated = guided.is_terminated(req.slot)
-            if matcher_terminated:
+            except ValueError as exc:
+                req.fail(str(exc))
+                return
+            if guided.is_terminated(req.slot):
                 self.finish_stop(req)
                 return
         if token in self.stop_token_ids and not req.sampling_params.ignore_eos:

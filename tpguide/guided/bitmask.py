@@ -162,3 +162,28 @@ def unpack_bitmask(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=token_bitmask.device)
     bits = (token_bitmask.unsqueeze(-1) >> shifts) & 1  # [..., W, 32]
     return bits.flatten(-2)[..., :vocab_size].bool()
+
+
+def single_allowed_token(row: torch.Tensor, vocab_size: int) -> Optional[int]:
+    """The one token a bitmask row allows, or None when it allows none or several.
+
+    Parameters
+    ----------
+    row : torch.Tensor
+        int32 ``[bitmask_size]``, one full row (not a rank's slice).
+    vocab_size : int
+        Bits of ids ``>= vocab_size`` do not count.
+
+    Returns
+    -------
+    int or None
+        The token id (the grammar forces it: docs/architecture.md §5, grammar drafts).
+    """
+    words = torch.nonzero(row).flatten().tolist()
+    if len(words) != 1:
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    token_id = words[0] * BITS_PER_WORD + word.bit_length() - 1
+    return token_id if token_id < vocab_size else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -234,24 +234,27 @@ class GuidedDecoder:
     def _fill_rows(self, token_bitmask: torch.Tensor, jobs: list) -> dict:
         """Fill the rows of ``jobs`` ``(row, slot, matcher)``; returns ``{row: error message}``."""
 
-        def fill(chunk: list) -> dict:
-            errors = {}
-            for row, slot, matcher in chunk:
-                try:
-                    matcher.fill_next_token_bitmask(token_bitmask, row)
-                except Exception as exc:
-                    errors[row] = f"slot {slot}: matcher error while filling the bitmask: {exc}"
-            return errors
+        def fill(job: tuple) -> tuple:
+            row, slot, matcher = job
+            try:
+                matcher.fill_next_token_bitmask(token_bitmask, row)
+            except Exception as exc:
+                return row, f"slot {slot}: matcher error while filling the bitmask: {exc}"
+            return row, None
 
-        if self.num_threads <= 1 or len(jobs) <= self.parallel_threshold:
-            return fill(jobs)
+        return {row: error for row, error in self._map(fill, jobs, len(jobs)) if error is not None}
+
+    def _map(self, fn: Callable, jobs: list, num_rows: int) -> list:
+        """``[fn(job) for job in jobs]``, in the fill threads when more than ``parallel_threshold`` rows are filled.
+
+        Each job must touch its own matchers and rows only; results come back in no particular order.
+        """
+        if self.num_threads <= 1 or num_rows <= self.parallel_threshold:
+            return [fn(job) for job in jobs]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tpguide-bitmask")
         chunks = [jobs[i :: self.num_threads] for i in range(self.num_threads)]
-        errors: dict = {}
-        for chunk_errors in self._pool.map(fill, chunks):
-            errors.update(chunk_errors)
-        return errors
+        return [r for results in self._pool.map(lambda chunk: [fn(job) for job in chunk], chunks) for r in results]
 
     def close(self) -> None:
         """Stop the fill threads."""

@@ -72,6 +72,20 @@ def mentions_metaspace(guide_text: str) -> bool:
     return any(s in lowered for s in _METASPACE_SPELLINGS)
 
 
+def complete_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is whole UTF-8 characters, decoded (``""`` if it starts mid-character).
+
+    llguidance's forced bytes may end inside a multi-byte character (the
+    grammar forces only its first bytes) or start inside one (after a token
+    that split it); xgrammar's jump-forward string stops before such a
+    character, and so does this.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return data[: exc.start].decode("utf-8")
+
+
 def choice_as_lark(choices: list) -> str:
     """Lark grammar matching exactly one of ``choices`` (JSON-escaped string literals)."""
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -136,6 +150,11 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def find_jump_forward_string(self) -> str:
+        if self._terminated or self._matcher.is_error() or self._matcher.is_stopped():
+            return ""
+        return complete_utf8_prefix(self._matcher.compute_ff_bytes())
 
 
 class LLGuidanceBackend(GuidedBackend):

@@ -14,6 +14,8 @@ engine relies on:
 * ``fill_next_token_bitmask`` of a complete grammar allows only the stop tokens;
   of a terminated matcher too (xgrammar itself raises there).
 * ``rollback(n)`` undoes the last ``n`` accepted tokens, the stop token included.
+* ``find_jump_forward_string`` is the text the grammar forces next (grammar
+  drafts); a backend that cannot tell returns ``""``.
 
 **What a backend is built from**: the tokenizer, the bitmask width and the
 model's stop ids.
@@ -87,6 +89,17 @@ class GrammarMatcher(abc.ABC):
     @abc.abstractmethod
     def is_terminated(self) -> bool:
         """True once a stop token has been accepted (and not rolled back)."""
+
+    def find_jump_forward_string(self) -> str:
+        """The text every continuation from this state starts with (the grammar forces it); state unchanged.
+
+        Whole UTF-8 characters only; ``""`` when nothing is forced, the
+        matcher is terminated, or the backend cannot tell (this default: the
+        grammar drafter then walks the tokens while exactly one is allowed,
+        docs/architecture.md §5).  xgrammar: ``find_jump_forward_string``;
+        llguidance: ``compute_ff_bytes``.
+        """
+        return ""
 
     def _check_rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_accepted_tokens:

@@ -1,101 +1,145 @@
-"""``SpeculativeGuidedDecoder``: bitmask rows for draft-token verification (docs/architecture.md §5).
+"""The matchers of speculative decoding, asked about drafts under one rollback discipline (docs/architecture.md §5).
 
-A :class:`~tpguide.guided.bitmask.GuidedDecoder` whose fill takes, per
-scheduled request, the drafts it verifies this step and fills ``1 + k``
-consecutive rows by advancing the matcher through the drafts (see
-:mod:`tpguide.guided.spec_counters` for the row layout and the rollback
-formula).  Rows are filled on one thread, request by request: row ``j`` of a
-request needs the matcher state after ``d_1 .. d_j``.
+**The discipline.**  Between steps a matcher holds exactly the verified
+tokens of its request.  Whatever advances it through tokens that are *not*
+verified does so through a :class:`DraftCursor` inside :func:`drafting`,
+and the matcher is back where it started when the block ends, whatever
+happened inside.  The tokens the target model verifies are then accepted
+by the one path every output token takes
+(:class:`tpguide.engine.finisher.StepFinisher`), so nothing is rolled back
+after verification and no counter has to say how far.  vLLM's
+structured-output manager does the same (fill, accept, roll back at once).
+Every drafter and the fill follow it:
 
-A model drafter (``draft-head``) drafts under the grammar too: before each
-drafting iteration :meth:`fill_draft_bitmask` fills one full row per drafting
-request from the matcher state after ``golden d_1 .. d_j``,
-:meth:`advance_draft` moves the matcher by the new draft, and at the end of
-the drafting loop :meth:`rollback_drafts` undoes them all (draft-side
-rollback), so verification starts from the state after ``golden`` again.
+* the bitmask fill of a verify pass (:meth:`SpeculativeGuidedDecoder.fill_bitmask_with_drafts`),
+  ``1 + k`` consecutive rows per request::
+
+      row 0   state after the verified tokens          (fill)
+      row j   state after d_1 .. d_j                   (accept d_j, fill)
+              stop at the first draft the grammar rejects, at a stop token
+              or at a dead end: the later rows are unguided
+      then    roll the matcher back at once
+
+  Rows past the last filled one are unguided: the target can never reach
+  them as its bonus row, because row ``m`` forbids ``d_{m+1}`` (or the
+  request stopped at ``d_m``);
+* the drafts a grammar accepts (:meth:`~SpeculativeGuidedDecoder.accepted_prefix`: n-gram drafts);
+* the grammar drafter's forced tokens (:mod:`tpguide.speculative.grammar_draft`);
+* the draft head's masks (:meth:`~SpeculativeGuidedDecoder.fill_draft_bitmask`,
+  one full row per drafting request from its state after ``d_1 .. d_j``,
+  with a cursor per request for the whole drafting loop;
+  :mod:`tpguide.speculative.draft_loop`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from tpguide.guided.bitmask import find_dead_end_rows
 from tpguide.guided.decoder import GuidedDecoder
-from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.spec_counters import SlotCounters
+from tpguide.guided.matcher import GrammarMatcher
 
 
-class SpeculativeGuidedDecoder(GuidedDecoder):
-    """Guided decoder with per-slot speculative counters.
+class DraftCursor:
+    """A matcher advanced through draft tokens; :func:`drafting` rolls it back.
 
-    Parameters are those of :class:`GuidedDecoder`; size ``max_num_rows`` as
-    ``max_num_seqs * (num_speculative_tokens + 1)``.
+    Parameters
+    ----------
+    matcher : GrammarMatcher
 
     Attributes
     ----------
-    counters : dict of int to SlotCounters
-        Per guided slot, reset by :meth:`add_request` and :meth:`begin_step`.
+    num_advanced : int
+        Drafts accepted so far (the rollback at the end).
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.counters: Dict[int, SlotCounters] = {}
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+        self.num_advanced = 0
 
-    def add_request(self, slot: int, params: Optional[StructuredOutputsParams]) -> None:
-        super().add_request(slot, params)
-        if self.is_guided(slot):
-            self.counters[slot] = SlotCounters()
-
-    def remove_request(self, slot: int) -> None:
-        super().remove_request(slot)
-        self.counters.pop(slot, None)
-
-    def accept_token(self, slot: int, token_id: int) -> bool:
-        """Accept a *verified* token (the golden one); it opens the slot's next window.
-
-        Drafts are advanced inside :meth:`fill_bitmask_with_drafts`, never here.
-        """
-        ok = super().accept_token(slot, token_id)
-        if ok:
-            self.begin_step(slot)
+    def accept(self, token_id: int) -> bool:
+        """Advance by a draft; False (state unchanged) if the grammar rejects it or the matcher raises."""
+        try:
+            ok = bool(self.matcher.accept_token(int(token_id)))
+        except Exception:  # noqa: BLE001 - a draft never fails a request; verification reports errors
+            ok = False
+        self.num_advanced += ok
         return ok
 
-    def begin_step(self, slot: int) -> None:
-        """The slot's golden token (last sampled) was accepted: start a new window."""
-        if slot in self.counters:
-            self.counters[slot].begin_step()
-
-    def rollback_rejected(self, slot: int, num_accepted_by_target: int) -> int:
-        """Roll ``slot``'s matcher back to the state after the accepted drafts.
-
-        Returns
-        -------
-        int
-            Drafts that count for the grammar (``accepted`` of the formula).
+    def rollback(self) -> None:
+        """Undo every draft accepted so far.
 
         Raises
         ------
-        SpecAccountingError
-            Negative rollback (an engine bug; see :mod:`tpguide.guided.spec_counters`).
         ValueError
-            The matcher raised.
+            The matcher cannot roll back that far (an engine bug).
         """
-        c = self.counters.get(slot)
-        if c is None:
-            return num_accepted_by_target
-        n = c.rollback_count(num_accepted_by_target)
-        self.rollback(slot, n)
-        accepted = c.accepted_drafts(num_accepted_by_target)
-        c.num_advanced_tokens -= n
-        c.num_advanced_draft_tokens -= n
+        n, self.num_advanced = self.num_advanced, 0
+        if n:
+            self.matcher.rollback(n)
+
+
+@contextlib.contextmanager
+def drafting(matcher: GrammarMatcher) -> Iterator[DraftCursor]:
+    """A :class:`DraftCursor` on ``matcher``, rolled back to the state it started in when the block ends.
+
+    Raises
+    ------
+    ValueError
+        The rollback failed (an engine bug; the step fails).
+    """
+    cursor = DraftCursor(matcher)
+    try:
+        yield cursor
+    finally:
+        cursor.rollback()
+
+
+class SpeculativeGuidedDecoder(GuidedDecoder):
+    """Guided decoder that fills verify rows and answers drafters; the matchers hold verified tokens only.
+
+    Parameters are those of :class:`GuidedDecoder`; size ``max_num_rows`` as
+    ``max_num_seqs * (num_speculative_tokens + 1)``.
+    """
+
+    @contextlib.contextmanager
+    def drafting(self, slot: int) -> Iterator[DraftCursor]:
+        """A cursor on ``slot``'s matcher, rolled back when the block ends (:func:`drafting`).
+
+        Raises
+        ------
+        KeyError
+            ``slot`` is not guided.
+        ValueError
+            The rollback failed (an engine bug).
+        """
+        with drafting(self._matchers[slot]) as cursor:
+            yield cursor
+
+    def accepted_prefix(self, slot: int, drafts: Sequence[int]) -> List[int]:
+        """The longest prefix of ``drafts`` the grammar accepts from ``slot``'s state, ending at a stop token.
+
+        The matcher is unchanged afterwards; an unguided slot accepts every draft.
+        """
+        if not self.is_guided(slot):
+            return list(drafts)
+        accepted: List[int] = []
+        with self.drafting(slot) as cursor:
+            for token in drafts:
+                if not cursor.accept(token):
+                    break
+                accepted.append(int(token))
+                if cursor.matcher.is_terminated():
+                    break
         return accepted
 
     def fill_bitmask_with_drafts(
         self, entries: Sequence[Tuple[Optional[int], Sequence[int]]]
     ) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
-        """Fill ``1 + len(drafts)`` rows per entry, advancing matchers through the drafts.
+        """Fill ``1 + len(drafts)`` rows per entry (fill, accept, roll back at once).
 
         Parameters
         ----------
@@ -106,7 +150,8 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
         Returns
         -------
         token_bitmask : torch.Tensor
-            int32 ``[num_rows, bitmask_size]``, CPU, ``num_rows = sum(1 + k)``.
+            int32 ``[num_rows, bitmask_size]``, CPU, ``num_rows = sum(1 + k)``
+            (a view of the reused buffer).
         token_mask : torch.Tensor
             int32 ``[num_rows]``; 1 on rows filled with a grammar mask.
         dead_rows : list of int
@@ -117,69 +162,55 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
         Raises
         ------
         ValueError
-            More than ``max_num_rows`` rows.
+            More than ``max_num_rows`` rows; a matcher that cannot roll its drafts back.
         """
-        token_bitmask, token_mask = self._reset_rows(sum(1 + len(d) for _, d in entries))
-        dead_rows: List[int] = []
-        row = 0
+        num_rows = sum(1 + len(d) for _, d in entries)
+        token_bitmask, token_mask = self._reset_rows(num_rows)
+        jobs, row = [], 0
         for slot, drafts in entries:
-            first = row
+            if slot is not None and self.is_guided(slot):
+                jobs.append((slot, list(drafts), row))
             row += 1 + len(drafts)
-            if slot is None or not self.is_guided(slot):
-                continue
-            error = self._fill_slot(slot, list(drafts), token_bitmask, token_mask, first)
+
+        def fill(job: tuple) -> tuple:
+            slot, drafts, first = job
+            return slot, first, self._fill_slot(slot, drafts, token_bitmask, token_mask, first)
+
+        dead_rows: List[int] = []
+        for slot, first, error in self._map(fill, jobs, num_rows):
             if error is not None:
                 self._failures[slot] = error
                 token_bitmask[first] = -1
                 token_mask[first] = 0
                 dead_rows.append(first)
-        return token_bitmask, token_mask, dead_rows
+        return token_bitmask, token_mask, sorted(dead_rows)
 
     def _fill_slot(self, slot: int, drafts: List[int], token_bitmask: torch.Tensor,
                    token_mask: torch.Tensor, first: int) -> Optional[str]:
-        """Fill rows ``first .. first + len(drafts)`` of ``slot``; error message of row 0, else None."""
-        matcher = self._matchers[slot]
-        c = self.counters[slot]
-        c.num_guided_tokens = 0
-        for j in range(len(drafts) + 1):
-            row = first + j
-            if j > 0:
+        """Fill rows ``first .. first + len(drafts)`` of ``slot``; the error message of row 0, else None."""
+        with self.drafting(slot) as cursor:
+            matcher = cursor.matcher
+            for j in range(len(drafts) + 1):
+                row = first + j
+                if j > 0 and (not cursor.accept(drafts[j - 1]) or matcher.is_terminated()):
+                    return None  # a rejected draft, or a stop token drafted: the request ends there if accepted
                 try:
-                    ok = matcher.accept_token(drafts[j - 1])
-                except Exception:  # a draft that breaks the matcher only ends guidance
-                    ok = False
-                if not ok:
-                    c.is_draft_terminated = True
+                    matcher.fill_next_token_bitmask(token_bitmask, row)
+                except Exception as exc:
+                    token_bitmask[row] = -1
+                    return f"slot {slot}: matcher error while filling the bitmask: {exc}" if j == 0 else None
+                token_mask[row] = 1
+                if bool(find_dead_end_rows(token_bitmask[row : row + 1], self.padded_vocab_size)[0]):
+                    token_mask[row] = 0
+                    token_bitmask[row] = -1
+                    if j == 0:
+                        return (f"slot {slot}: grammar dead end, no allowed token below "
+                                f"padded_vocab_size={self.padded_vocab_size}")
                     return None
-                c.advance_draft()
-                if matcher.is_terminated():  # a stop token drafted: the request ends here if accepted
-                    c.is_draft_terminated = c.matcher_terminated = True
-                    return None
-            try:
-                matcher.fill_next_token_bitmask(token_bitmask, row)
-            except Exception as exc:
-                if j == 0:
-                    return f"slot {slot}: matcher error while filling the bitmask: {exc}"
-                c.is_draft_terminated = True
-                token_bitmask[row] = -1
-                return None
-            token_mask[row] = 1
-            dead = find_dead_end_rows(token_bitmask[row : row + 1], self.padded_vocab_size, token_mask[row : row + 1])
-            if bool(dead[0]):
-                token_mask[row] = 0
-                token_bitmask[row] = -1
-                if j == 0:
-                    return (f"slot {slot}: grammar dead end, no allowed token below "
-                            f"padded_vocab_size={self.padded_vocab_size}")
-                c.is_draft_terminated = True
-                return None
-            c.num_guided_tokens += 1
         return None
 
-    # ---- drafting under the grammar (draft-head) ---------------------------------
-
     def fill_draft_bitmask(self, slots: Sequence[Optional[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One full row per drafting request from its matcher's current state.
+        """One full row per drafting request from its matcher's current state (draft head).
 
         Parameters
         ----------
@@ -211,31 +242,3 @@ class SpeculativeGuidedDecoder(GuidedDecoder):
             except Exception:  # noqa: BLE001 - no draft for this row; verification reports errors
                 token_bitmask[row] = 0
         return token_bitmask, token_mask
-
-    def advance_draft(self, slot: int, token_id: int) -> bool:
-        """Advance ``slot``'s matcher by a drafted token (not counted as verified).
-
-        Returns
-        -------
-        bool
-            False if the matcher rejected or raised (the token was not taken:
-            drafting of that request must stop); True for an unguided slot.
-        """
-        matcher = self._matchers.get(slot)
-        if matcher is None:
-            return True
-        try:
-            return bool(matcher.accept_token(token_id))
-        except Exception:  # noqa: BLE001 - a draft never fails a request
-            return False
-
-    def rollback_drafts(self, slot: int, num_tokens: int) -> None:
-        """Undo ``num_tokens`` drafts taken by :meth:`advance_draft` (end of the drafting loop).
-
-        Raises
-        ------
-        ValueError
-            The matcher cannot roll back that far, or raised.
-        """
-        if num_tokens:
-            self.rollback(slot, num_tokens)

@@ -127,6 +127,11 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def find_jump_forward_string(self) -> str:
+        if self._matcher.is_terminated():
+            return ""
+        return self._matcher.find_jump_forward_string()
+
 
 class XGrammarBackend(GuidedBackend):
     """xgrammar compiler for one tokenizer.

@@ -12,7 +12,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class ServerMetrics:
-    """The metrics: running/waiting, tokens, TTFT/ITL/E2E, grammar compile, outcomes."""
+    """The metrics: running/waiting, tokens, TTFT/ITL/E2E, grammar compile, outcomes, speculation."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
@@ -64,6 +64,32 @@ class ServerMetrics:
                                             ["replica"], registry=r)
         self.info = Gauge("tpguide:model_info", "The served model", list(labels), registry=r)
         self.info.labels(**labels).set(1)
+        #: ``SpecStats`` field -> counter (vLLM: ``vllm:spec_decode_num_draft_tokens`` and friends)
+        self.speculation = {field: Counter(f"tpguide:spec_decode_{name}", help_, registry=r) for field, name, help_ in (
+            ("num_drafted", "num_draft_tokens", "Draft tokens verified (every drafter)"),
+            ("num_accepted", "num_accepted_tokens", "Draft tokens the model accepted"),
+            ("num_forced_drafted", "num_forced_draft_tokens", "Grammar drafts (forced text) verified"),
+            ("num_forced_accepted", "num_forced_accepted_tokens", "Grammar drafts the model accepted"),
+            ("num_sample_passes", "num_forward_passes", "Forward passes whose sample a request used"),
+            ("num_generated_tokens", "num_generated_tokens", "Tokens those passes generated "
+                                                              "(forward passes per token = the ratio)"),
+        )}
+        self._speculation_seen: dict = {}
+
+    def record_speculation(self, stats) -> None:
+        """Bring the speculation counters up to ``stats`` (the engine's cumulative ``SpecStats``; None: off).
+
+        Under data parallel only the front end's own replica (0) counts: a
+        remote replica's driver state stays on its node.
+        """
+        if stats is None:
+            return
+        for field, counter in self.speculation.items():
+            value = getattr(stats, field)
+            delta = value - self._speculation_seen.get(field, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._speculation_seen[field] = value
 
     def observe_kv_cache(self, stats, last: tuple, replica=None) -> tuple:
         """Update the KV-cache metrics from one engine's :class:`~tpguide.engine.driver.KVCacheStats`.

@@ -6,7 +6,7 @@ the token budget); before the step's plan is built the engine runs up to
 ``K`` drafting iterations over the requests still drafting::
 
     driver   fill one FULL bitmask row per guided request from its matcher
-             state after golden d_1 .. d_j                   (spec_decoder)
+             state after the verified tokens and d_1 .. d_j  (spec_decoder)
              --broadcast DRAFT message (+ full rows)-->
     ranks    draft head: layers < L on the last token at position p + j
              (writes those layers' KV; verification overwrites it)
@@ -16,8 +16,9 @@ the token budget); before the step's plan is built the engine runs up to
              drafting at -1 (the grammar allows no draft id), a stop token,
              a terminated matcher or its reserved k
 
-then the driver rolls every matcher back by the drafts it advanced
-(draft-side rollback); :func:`draft_with_head` returns the drafts and the
+each guided request drafts through a cursor (:mod:`tpguide.guided.spec_decoder`)
+that rolls its matcher back at the end of the loop, the discipline of every
+drafter; :func:`draft_with_head` returns the drafts and the
 driver puts them in its step's records.  It imports nothing of the driver
 side or the ranks: the DRAFT message goes out through the ``send`` it is
 given.  The verification step is the one of ``ngram``
@@ -29,6 +30,7 @@ output equal to non-speculative output for greedy and seeded sampling alike.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence
 
@@ -77,7 +79,7 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
     Parameters
     ----------
     guided : SpeculativeGuidedDecoder or None
-        The driver's matchers (None: no guided request yet).
+        The driver's matchers (None: no guided request yet, so none of ``requests`` is guided).
     stop_token_ids : set of int
         A drafted stop token ends that request's drafting.
 
@@ -87,37 +89,32 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
         A matcher cannot roll its drafts back (an engine bug; the step fails).
     """
     drafts: List[List[int]] = [[] for _ in requests]
-    advanced = [0] * len(requests)
     active = list(range(len(requests)))
-    while active:
-        slots = [requests[i].slot if requests[i].guided else None for i in active]
-        token_bitmask = token_mask = None
-        if any(slot is not None for slot in slots):
-            token_bitmask, token_mask = guided.fill_draft_bitmask(slots)
-            token_mask = token_mask.clone()
-        plan = DraftPlan(
-            input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in active], dtype=torch.int64),
-            block_tables=[list(requests[i].block_table) for i in active],
-            context_lens=[requests[i].position + len(drafts[i]) for i in active],
-            token_mask=token_mask,
-        )
-        send(plan)
-        tokens = run_draft_iteration(head, plan, group, token_bitmask).tolist()
-        still: List[int] = []
-        for i, slot, token in zip(active, slots, tokens):
-            if token < 0:
-                continue
-            if slot is not None:
-                if not guided.advance_draft(slot, token):
+    with contextlib.ExitStack() as rollbacks:  # every cursor rolls its matcher back at the end (spec_decoder)
+        cursors = {r.slot: rollbacks.enter_context(guided.drafting(r.slot)) for r in requests if r.guided}
+        while active:
+            slots = [requests[i].slot if requests[i].guided else None for i in active]
+            token_bitmask = token_mask = None
+            if any(slot is not None for slot in slots):
+                token_bitmask, token_mask = guided.fill_draft_bitmask(slots)
+                token_mask = token_mask.clone()
+            plan = DraftPlan(
+                input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in active],
+                                       dtype=torch.int64),
+                block_tables=[list(requests[i].block_table) for i in active],
+                context_lens=[requests[i].position + len(drafts[i]) for i in active],
+                token_mask=token_mask,
+            )
+            send(plan)
+            tokens = run_draft_iteration(head, plan, group, token_bitmask).tolist()
+            still: List[int] = []
+            for i, slot, token in zip(active, slots, tokens):
+                if token < 0 or (slot is not None and not cursors[slot].accept(token)):
                     continue
-                advanced[i] += 1
-            drafts[i].append(token)
-            if (token in stop_token_ids or (slot is not None and guided.is_terminated(slot))
-                    or len(drafts[i]) == requests[i].max_drafts):
-                continue
-            still.append(i)
-        active = still
-    for request, n in zip(requests, advanced):
-        if n:
-            guided.rollback_drafts(request.slot, n)
+                drafts[i].append(token)
+                if (token in stop_token_ids or (slot is not None and cursors[slot].matcher.is_terminated())
+                        or len(drafts[i]) == requests[i].max_drafts):
+                    continue
+                still.append(i)
+            active = still
     return drafts

@@ -6,16 +6,26 @@ Per decode step of a request with ``k`` drafts (``k`` may be 0)::
     sampler    rows 0..k: target token y_j at position p + j + 1
                (row j masked with the grammar state after d_1 .. d_j)
     driver     a = longest prefix with d_j == y_{j-1}
-               output += d_1 .. d_a, y_a                 (y_a is the bonus)
-               matcher rollback = advanced - (1 + a)      (spec_counters)
+               output += d_1 .. d_a, y_a                 (y_a is the bonus; each
+                                                          accepted by the matcher as
+                                                          any output token is)
                num_computed_tokens += 1 + a               (rejected KV positions
                                                            are overwritten later)
+
+The drafts come from the grammar drafter (forced text of a guided request,
+:mod:`tpguide.speculative.grammar_draft`), else from the configured
+fallback (n-gram lookup, the draft head), else there are none.  Every
+drafter and the bitmask fill advance the matcher through drafts only inside
+a cursor rolled back at once (:mod:`tpguide.guided.spec_decoder`), so the
+matcher holds the verified tokens between steps.
 
 The acceptance rule is exact for a deterministic draft: greedy rows take the
 argmax, sampled rows draw with noise keyed by ``(seed, position)``, so a token
 is produced by the same computation as without drafts and speculative output
-equals non-speculative output for every request (up to floating-point
-differences between batch shapes).  Stop conditions (stop token, grammar end,
+equals non-speculative output for every request: bit for bit in the default
+TP-invariant mode, whose rows do not depend on the batch nor on being rows
+of a verify pass (docs/architecture.md §6); up to floating-point
+differences between batch shapes with ``--no-tp-invariant``.  Stop conditions (stop token, grammar end,
 ``max_tokens``, ``max_model_len``) are checked token by token when the
 driver appends the verified tokens (:class:`tpguide.engine.driver.StepFinisher`), so
 the accepted window is truncated at the first one: a stop token, or the
@@ -30,13 +40,12 @@ step's token budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List, Optional
 
-from tpguide.guided.spec_counters import num_accepted_drafts
 from tpguide.speculative.ngram import NgramProposer
 
 #: Values of ``EngineConfig.speculative_method`` (None = off).
-SPECULATIVE_METHODS = ("ngram", "draft-head")
+SPECULATIVE_METHODS = ("grammar", "ngram", "draft-head")
 
 #: A reserved draft position until the ``draft-head`` drafting loop fills it.
 DRAFT_PENDING = -1
@@ -44,33 +53,81 @@ DRAFT_PENDING = -1
 
 @dataclass
 class SpecStats:
-    """Counts over one :meth:`Engine.generate` call.
+    """Counts over the engine's life (reset by assigning a fresh one).
 
     Attributes
     ----------
     num_drafted : int
-        Draft tokens sent for verification.
+        Draft tokens sent for verification (every drafter).
     num_accepted : int
         Drafts the target agreed with (before truncation at a stop).
+    num_forced_drafted, num_forced_accepted : int
+        The same for the grammar drafter's drafts (forced text) alone.
     num_verify_steps : int
         Decode steps that carried at least one draft.
     num_decode_steps : int
         Decode rows processed (with or without drafts).
+    num_sample_passes : int
+        Forward passes whose sample a request used (its last prefill chunk, each decode).
+    num_generated_tokens : int
+        Output tokens those passes appended.
     """
 
     num_drafted: int = 0
     num_accepted: int = 0
+    num_forced_drafted: int = 0
+    num_forced_accepted: int = 0
     num_verify_steps: int = 0
     num_decode_steps: int = 0
+    num_sample_passes: int = 0
+    num_generated_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
+    @property
+    def passes_per_token(self) -> float:
+        """Forward passes per generated token, per request (1.0 without drafts)."""
+        return self.num_sample_passes / self.num_generated_tokens if self.num_generated_tokens else 0.0
+
+    def record_pass(self, num_tokens: int) -> None:
+        """One request's pass appended ``num_tokens`` output tokens (0 when it failed or stopped at once)."""
+        self.num_sample_passes += 1
+        self.num_generated_tokens += num_tokens
+
     def summary(self, method: str, k: int) -> str:
         return (f"speculative {method} k={k}: drafted {self.num_drafted}, accepted {self.num_accepted} "
-                f"(rate {100 * self.acceptance_rate:.1f}%), {self.num_verify_steps} of "
-                f"{self.num_decode_steps} decode steps carried drafts")
+                f"(rate {100 * self.acceptance_rate:.1f}%); forced text drafted {self.num_forced_drafted}, "
+                f"accepted {self.num_forced_accepted}; {self.num_verify_steps} of {self.num_decode_steps} "
+                f"decode steps carried drafts; {self.num_sample_passes} forward passes for "
+                f"{self.num_generated_tokens} generated tokens ({self.passes_per_token:.3f} per token)")
+
+
+def num_accepted_drafts(draft_token_ids, target_token_ids) -> int:
+    """Longest prefix of drafts the target agrees with.
+
+    ``draft_token_ids`` ``[k]``; ``target_token_ids`` ``[k + 1]`` (the target's
+    token at each verification row).  Draft ``d_j`` is accepted iff every
+    earlier draft was and the target's token at row ``j - 1`` equals ``d_j``
+    (the exact rule for a deterministic draft: with greedy or with the same
+    ``(seed, position)`` noise the output equals non-speculative decoding).
+
+    Raises
+    ------
+    ValueError
+        ``len(target_token_ids) != len(draft_token_ids) + 1``.
+    """
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"need 1 + k target tokens for k drafts, got {len(target_token_ids)} for {len(draft_token_ids)}"
+        )
+    a = 0
+    for d, t in zip(draft_token_ids, target_token_ids):
+        if d != t:
+            break
+        a += 1
+    return a
 
 
 class Speculator:
@@ -78,31 +135,41 @@ class Speculator:
 
     Parameters
     ----------
-    method : {"ngram", "draft-head"}
-        ``ngram`` drafts on the driver while scheduling; ``draft-head``
-        reserves :data:`DRAFT_PENDING` positions
-        that the engine's drafting loop fills on every rank
-        (:mod:`tpguide.speculative.draft_loop`).
+    method : {"grammar", "ngram", "draft-head"}
+        ``grammar``: guided requests draft their forced text, nothing else
+        drafts.  ``ngram`` drafts on the driver while scheduling;
+        ``draft-head`` reserves :data:`DRAFT_PENDING` positions that the
+        engine's drafting loop fills on every rank
+        (:mod:`tpguide.speculative.draft_loop`).  With a ``grammar_drafter``
+        those two are the fallback where the grammar forces nothing.
     num_speculative_tokens : int
         ``K``, the most drafts per request per step (``>= 1``).
     max_model_len : int
+    grammar_drafter : GrammarDrafter, optional
+        Drafts the forced text of guided requests
+        (:mod:`tpguide.speculative.grammar_draft`); required with ``grammar``.
 
     Raises
     ------
     ValueError
-        Unknown method, ``K < 1``.
+        Unknown method, ``K < 1``, ``grammar`` without a grammar drafter.
     """
 
-    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int,
+                 grammar_drafter=None) -> None:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if method == "grammar" and grammar_drafter is None:
+            raise ValueError("speculative method 'grammar' needs a grammar drafter")
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer = NgramProposer() if method == "ngram" else None
+        self.grammar_drafter = grammar_drafter
         self.stats = SpecStats()
+        self._forced: Dict[int, bool] = {}  # slot -> its drafts this step are forced text
 
     def max_num_drafts(self, req, budget: int) -> int:
         """Drafts ``req`` may carry this step with ``budget`` tokens left (golden included)."""
@@ -110,16 +177,45 @@ class Speculator:
         return max(0, min(self.num_speculative_tokens, budget - 1, left - 1,
                           self.max_model_len - req.num_tokens))
 
-    def propose(self, req, budget: int) -> List[int]:
-        """Drafts for ``req``'s next decode step (the scheduler's hook); placeholders for ``draft-head``."""
+    def propose(self, req, budget: int, guided=None) -> List[int]:
+        """Drafts for ``req``'s next decode step (the scheduler's hook); placeholders for ``draft-head``.
+
+        Parameters
+        ----------
+        req : Request
+            A running request past its prompt.
+        budget : int
+            Tokens left in the step, its golden token included.
+        guided : SpeculativeGuidedDecoder, optional
+            The driver's matchers; a guided request's drafts come from its
+            forced text first, and n-gram drafts are cut where its grammar
+            rejects one.  A request with penalties or ``logit_bias`` gets no
+            grammar drafts (its rows would need the drafts in its history).
+
+        Returns
+        -------
+        list of int
+            At most :meth:`max_num_drafts` tokens, or as many :data:`DRAFT_PENDING`.
+        """
         k = self.max_num_drafts(req, budget)
+        slot = req.slot if guided is not None and req.slot is not None and guided.is_guided(req.slot) else None
+        self._forced[req.slot] = False
         if not k:
             return []
-        if self.proposer is None:
+        if self.grammar_drafter is not None and slot is not None and not req.sampling_params.has_penalties:
+            drafts = self.grammar_drafter.propose(guided, slot, k)
+            if drafts:
+                self._forced[req.slot] = True
+                return drafts
+        if self.method == "draft-head":
             return [DRAFT_PENDING] * k
-        return self.proposer.propose(req.all_token_ids, k)[:k]
+        if self.proposer is None:
+            return []
+        drafts = self.proposer.propose(req.all_token_ids, k)[:k]
+        return guided.accepted_prefix(slot, drafts) if slot is not None else drafts
 
-    def verify(self, drafts: List[int], token_ids: List[int], first_row: int) -> "Verification":
+    def verify(self, drafts: List[int], token_ids: List[int], first_row: int,
+               slot: Optional[int] = None) -> "Verification":
         """Longest accepted prefix of one request's drafts (pure apart from :attr:`stats`).
 
         Parameters
@@ -130,13 +226,16 @@ class Speculator:
             The step's sampled tokens, all sample rows.
         first_row : int
             The request's first sample row (rows ``first_row .. first_row + k``).
+        slot : int, optional
+            The request's slot: its drafts count as forced text when
+            :meth:`propose` drafted them from the grammar this step.
 
         Returns
         -------
         Verification
             ``a`` and the ``1 + a`` candidate output tokens ``d_1 .. d_a, y_a``
             with their rows; the driver appends them token by token and stops
-            at the first stop condition (:class:`tpguide.engine.driver.StepFinisher`).
+            at the first stop condition (:class:`tpguide.engine.finisher.StepFinisher`).
         """
         k = len(drafts)
         targets = token_ids[first_row : first_row + k + 1]
@@ -146,6 +245,9 @@ class Speculator:
             self.stats.num_verify_steps += 1
             self.stats.num_drafted += k
             self.stats.num_accepted += a
+            if self._forced.get(slot, False):
+                self.stats.num_forced_drafted += k
+                self.stats.num_forced_accepted += a
         return Verification(num_accepted=a, token_ids=list(drafts[:a]) + [targets[a]],
                             rows=list(range(first_row, first_row + a + 1)))
 

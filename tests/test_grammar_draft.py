@@ -1,0 +1,182 @@
+"""Grammar drafts in one process: forced strings of both backends, the drafter, the speculator's composition, flags."""
+
+import argparse
+
+import pytest
+import torch
+from guided_testing import load_test_backend
+
+from tpguide.engine.request import Request, SamplingParams
+from tpguide.guided import StructuredOutputsParams, make_backend, token_ids_to_bitmask_row
+from tpguide.guided.bitmask import single_allowed_token
+from tpguide.guided.llguidance_backend import complete_utf8_prefix
+from tpguide.guided.spec_decoder import SpeculativeGuidedDecoder
+from tpguide.speculative.grammar_draft import GrammarDrafter, strict_prefix_token_ids
+from tpguide.speculative.verify import DRAFT_PENDING, Speculator
+
+VOCAB = 49152
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+BACKENDS = ["xgrammar", "llguidance"]
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def drafter(tokenizer):
+    return GrammarDrafter(tokenizer, VOCAB)
+
+
+def _decoder(backend_name, slot, params, tokenizer, prefix=""):
+    decoder = SpeculativeGuidedDecoder(load_test_backend(backend_name, VOCAB), VOCAB, 4 * 5)
+    decoder.add_request(slot, StructuredOutputsParams.from_request(params))
+    for token in encode(tokenizer, prefix):
+        assert decoder.accept_token(slot, token)
+    return decoder
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_both_backends_report_the_forced_string(name, tokenizer):
+    decoder = _decoder(name, 0, {"json": SCHEMA}, tokenizer, '{"')
+    matcher = decoder._matchers[0]
+    assert matcher.find_jump_forward_string() == 'name"'  # then whitespace may follow: not forced
+    for token in encode(tokenizer, 'name": "Al", "'):
+        assert matcher.accept_token(token)
+    assert matcher.find_jump_forward_string() == 'age"'
+    assert matcher.accept_token(encode(tokenizer, "age")[0])
+    assert matcher.find_jump_forward_string() == '"'
+
+
+def test_forced_bytes_are_cut_to_whole_characters():
+    assert complete_utf8_prefix("abé".encode()) == "abé"
+    assert complete_utf8_prefix("abé".encode()[:-1]) == "ab"  # ends inside é
+    assert complete_utf8_prefix("é".encode()[1:] + b"x") == ""  # starts inside é
+    assert complete_utf8_prefix(b"") == ""
+
+
+def test_single_allowed_token():
+    assert single_allowed_token(token_ids_to_bitmask_row([37], 128), 128) == 37
+    assert single_allowed_token(token_ids_to_bitmask_row([31], 64), 64) == 31  # the sign bit of word 0
+    assert single_allowed_token(token_ids_to_bitmask_row([3, 40], 64), 64) is None
+    assert single_allowed_token(token_ids_to_bitmask_row([3, 4], 64), 64) is None
+    assert single_allowed_token(torch.zeros(2, dtype=torch.int32), 64) is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_drafts_are_the_canonical_tokens_of_the_forced_text(name, tokenizer, drafter):
+    decoder = _decoder(name, 1, {"json": SCHEMA}, tokenizer, '{"name": "Al", "')
+    before = decoder._matchers[1].num_accepted_tokens
+    # 'age"': the tokens of "age", and '"' dropped: the model merges it with what follows ('":')
+    assert drafter.propose(decoder, 1, 4) == encode(tokenizer, "age")
+    assert drafter.propose(decoder, 1, 0) == []
+    assert decoder._matchers[1].num_accepted_tokens == before  # rolled back at once
+    choice = _decoder(name, 2, {"choice": ["the quick brown fox jumps"]}, tokenizer)
+    full = encode(tokenizer, "the quick brown fox jumps")
+    assert drafter.propose(choice, 2, 3) == full[:3]  # cut at K, nothing dropped
+
+
+def test_the_walk_drafts_a_lone_allowed_token(tokenizer, drafter):
+    """No forced text, one allowed token: with a single stop id, the end of a grammar forces the stop token."""
+    backend = make_backend("xgrammar", tokenizer, VOCAB, [2])
+    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
+    decoder.add_request(0, StructuredOutputsParams.from_request({"regex": "ab"}))
+    a, b = encode(tokenizer, "a")[0], encode(tokenizer, "b")[0]
+    assert decoder.accept_token(0, a)
+    assert drafter.propose(decoder, 0, 4) == [b, 2]  # the forced "b", then the walk: the stop token, then nothing
+    assert not decoder.is_terminated(0) and decoder._matchers[0].num_accepted_tokens == 1
+
+
+def test_strict_prefix_ids_compare_token_strings():
+    class Vocab:
+        all_special_ids = [9]
+
+        def get_vocab(self):
+            return {"a": 0, "ab": 1, "abc": 2, "b": 3, "<s>": 9, "<s>x": 4}
+
+    assert strict_prefix_token_ids(Vocab()) == frozenset({0, 1})  # "<s>" is special: not counted
+
+
+def _request(slot, structured=True, **sampling):
+    req = Request("r", 0, SamplingParams(max_tokens=20, **sampling), prompt_token_ids=[1, 2], output_token_ids=[5])
+    req.slot = slot
+    if structured:
+        req.structured_output = StructuredOutputsParams.from_request({"json": SCHEMA})
+    return req
+
+
+class FixedNgram:
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def propose(self, token_ids, k):
+        return self.drafts[:k]
+
+
+@pytest.mark.parametrize("method", ["grammar", "ngram", "draft-head"])
+def test_forced_text_first_then_the_fallback(method, tokenizer, drafter):
+    decoder = _decoder("xgrammar", 0, {"json": SCHEMA}, tokenizer, '{"')
+    free = _decoder("xgrammar", 1, {"json": SCHEMA}, tokenizer, '{"name": "A')  # nothing forced
+    spec = Speculator(method, 4, 128, grammar_drafter=drafter)
+    if method == "ngram":
+        spec.proposer = FixedNgram(encode(tokenizer, 'l", "age": 4, "x'))
+    name = encode(tokenizer, "name")
+    assert spec.propose(_request(0), 8, decoder) == name
+    assert spec.verify(name, name + [7], 0, slot=0).num_accepted == len(name)
+    assert (spec.stats.num_forced_drafted, spec.stats.num_forced_accepted) == (len(name), len(name))
+    fallback = spec.propose(_request(1), 8, free)
+    if method == "grammar":
+        assert fallback == []
+    elif method == "draft-head":
+        assert fallback == [DRAFT_PENDING] * 4
+    else:
+        assert fallback == encode(tokenizer, 'l", "age": 4, "x')[:4]
+    spec.verify(fallback[:1], [0, 0], 0, slot=1)
+    assert spec.stats.num_forced_drafted == len(name)  # the fallback's draft is not forced text
+    assert spec.stats.num_drafted == len(name) + len(fallback[:1])
+    # penalties: no grammar drafts (the rows would need the drafts in the request's history); the n-gram
+    # drafts 'l", ...' are no property name of the schema, so the grammar cuts them to nothing
+    penalized = spec.propose(_request(0, presence_penalty=0.5), 8, decoder)
+    assert penalized == ([DRAFT_PENDING] * 4 if method == "draft-head" else [])
+
+
+def test_ngram_drafts_of_a_guided_request_stop_where_the_grammar_rejects(tokenizer):
+    decoder = _decoder("xgrammar", 0, {"json": SCHEMA}, tokenizer, '{"name": "A')
+    spec = Speculator("ngram", 4, 128)
+    drafts = [encode(tokenizer, text)[0] for text in ("l", '"', "}", "x")]
+    spec.proposer = FixedNgram(drafts)
+    assert spec.propose(_request(0), 8, decoder) == drafts[:2]  # "}" before the required "age": rejected
+    assert spec.propose(_request(0, structured=False), 8) == spec.proposer.drafts[:4]  # unguided: untouched
+
+
+def _args(*argv):
+    """``launch/engine_flags.py`` (a script beside the package, loaded from its path) on ``argv``."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "launch" / "engine_flags.py"
+    spec = importlib.util.spec_from_file_location("engine_flags", path)
+    flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags)
+    p = argparse.ArgumentParser()
+    flags.add_engine_flags(p)
+    return flags.engine_config_from_args(p.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("argv, method, grammar, k", [
+    ((), "grammar", True, 4),
+    (("--speculative-method", "ngram"), "ngram", True, 4),
+    (("--speculative-method", "ngram", "--no-grammar-draft", "--num-speculative-tokens", "2"), "ngram", False, 2),
+    (("--no-grammar-draft",), None, False, 0),
+    (("--speculative-method", "none"), None, True, 0),
+])
+def test_flags_compose_grammar_drafts_with_the_method(argv, method, grammar, k):
+    config = _args(*argv)
+    assert (config.speculative_method, config.num_speculative_tokens) == (method, k)
+    assert config.grammar_draft == grammar
+
+
+def test_flags_refuse_k_without_drafts():
+    with pytest.raises(ValueError, match="needs drafts"):
+        _args("--speculative-method", "none", "--num-speculative-tokens", "3")
