@@ -172,9 +172,20 @@ def main(argv=None) -> int:
 
     state.loop.start()  # heartbeats from now on
     state.precompile = make_precompile(engine, state.metrics)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=2,
-                                           limit_concurrency=None))
+    class AbortFirstServer(uvicorn.Server):
+        """On the first SIGINT / SIGTERM the engine loop aborts the running requests and stops
+        before uvicorn's graceful shutdown ends: their clients get answers (``finish_reason``
+        ``"abort"``) while the HTTP loop still runs, instead of 500s from a closed event loop."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                state.shutting_down = True
+                state.loop.request_stop()
+            super().handle_exit(sig, frame)
+
+    server = AbortFirstServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                                             log_level=args.log_level, timeout_graceful_shutdown=5,
+                                             limit_concurrency=None))
     dp = f" x dp_size={group.dp_size}" if group.dp_size > 1 else ""
     print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size}{dp} on "
           f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)

@@ -345,7 +345,28 @@ def test_stop_string_streamed(client):
     assert reasons == ["stop"] == [full.choices[0].finish_reason]
 
 
-def test_sigterm_stops_the_server_with_status_0(server):
+def test_sigterm_stops_the_server_with_status_0(server, client):
+    """With a request running: its client gets a 503 "shutting down" (not a 500), the server exits 0."""
+    import threading
+
+    answers = []
+
+    def long_request():
+        try:
+            client.chat.completions.create(model=MODEL, messages=user("Tell a long story."), max_tokens=400,
+                                           extra_body={"ignore_eos": True})
+            answers.append("finished")
+        except openai.APIStatusError as exc:
+            answers.append((exc.status_code, exc.message))
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while "tpguide:num_requests_running 1.0" not in httpx.get(server.base_url + "/metrics").text:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.1)
     assert server.stop(signal.SIGTERM, timeout_s=30) == 0, server.log_text()[-3000:]
+    worker.join(30)
+    assert answers and answers[0][0] == 503 and "shutting down" in answers[0][1], answers
     assert server.stop_timed_out is False and server.orphans_left is False
     assert "[rank 0] stopped (signal 15); exit 0" in server.log_text()

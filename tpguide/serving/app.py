@@ -47,6 +47,9 @@ class ServerState:
     precompile : callable, optional
         ``precompile(line_dict)`` compiles a request's guide into the engine's
         cache; run in a worker thread before the request joins the batch.
+    shutting_down : bool
+        Set on SIGINT / SIGTERM before the engine loop aborts the running
+        requests: their answers are then 503 "shutting down", not 499.
     """
 
     loop: EngineLoop
@@ -63,6 +66,7 @@ class ServerState:
     tool_format: ToolCallFormat = field(default_factory=ToolCallFormat)
     precompile: Optional[Callable[[Dict[str, Any]], None]] = None
     retry_after_s: int = 1
+    shutting_down: bool = False
     _index: Any = field(default_factory=itertools.count)
 
 
@@ -162,6 +166,9 @@ def create_app(state: ServerState) -> FastAPI:
                 if isinstance(item, EngineDead):
                     raise APIError(503, str(item), "server_error", code="engine_dead")
                 if item.finish_reason == "abort":
+                    if state.shutting_down:
+                        raise APIError(503, "the server is shutting down: request aborted", "server_error",
+                                       code="shutting_down")
                     raise APIError(499, "the client closed the request", "client_closed_request")
                 if item.finish_reason == "error" and not item.token_ids:  # refused at admission: 400 now
                     raise bad_request(item.error or "request failed")
@@ -197,6 +204,9 @@ def create_app(state: ServerState) -> FastAPI:
                         yield sse_event(APIError(503, str(item), "server_error", code="engine_dead").to_json())
                         break
                     if item.finish_reason == "abort":
+                        if state.shutting_down:  # the client is still there: tell it why the stream ends
+                            yield sse_event(APIError(503, "the server is shutting down: request aborted",
+                                                     "server_error", code="shutting_down").to_json())
                         break
                     if item.finish_reason == "error":
                         yield sse_event(APIError(500, f"generation failed: {item.error}", "server_error").to_json())

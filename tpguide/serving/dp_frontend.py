@@ -55,10 +55,14 @@ class ReplicaRouter:
         for loop in self.loops:
             loop.start()
 
-    def stop(self, timeout: float = 12.0) -> None:
-        """Stop every replica at once (abort, stop plans), then wait for each loop."""
+    def request_stop(self) -> None:
+        """Ask every replica's loop to stop (abort, stop plans) without waiting."""
         for loop in self.loops:
             loop.request_stop()
+
+    def stop(self, timeout: float = 12.0) -> None:
+        """Stop every replica at once (abort, stop plans), then wait for each loop."""
+        self.request_stop()
         for loop in self.loops:
             loop.join(timeout)
 
