@@ -224,7 +224,8 @@ class Engine:
         num_blocks, source = kv_pool_num_blocks(model, group, config)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
         if group.is_driver:
-            report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source)
+            report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
+                           getattr(group, "rank", 0))
         self.runner = StepRunner(model, group, draft_head)
         self.driver: Optional[Driver] = None
         if group.is_driver:

@@ -52,7 +52,7 @@ def kv_pool_num_blocks(model, group: TPGroup, config) -> Tuple[int, str]:
     return int(agreed.item()), source
 
 
-def report_kv_pool(num_blocks: int, block_bytes: int, block_size: int, source: str) -> None:
-    """The startup line (driver): blocks, tokens and bytes of the pool on each rank."""
-    print(f"[rank 0] KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+def report_kv_pool(num_blocks: int, block_bytes: int, block_size: int, source: str, rank: int = 0) -> None:
+    """The startup line (a replica's driver, global ``rank``): blocks, tokens and bytes of the pool on each rank."""
+    print(f"[rank {rank}] KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
           f"{num_blocks * block_bytes / 2**20:.1f} MiB per rank ({source})", file=sys.stderr, flush=True)
