@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 from engine_flags import add_engine_flags, engine_config_from_args, set_threads
 
@@ -66,11 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _serve_worker(engine, group) -> int:
-    """A non-driver rank: follow plans; on a signal wait for the stop plan, leave after a grace period."""
+def _on_signal_leave_after_grace(group, waiting_for: str, leaving: Optional[threading.Event] = None) -> None:
+    """On SIGTERM / SIGINT: set ``leaving`` (if given) and exit 0 after ``WORKER_GRACE_S`` unless the
+    orderly stop (``waiting_for``, named in the message) came first."""
     def on_signal(signum, _frame):
+        if leaving is not None:
+            leaving.set()
+
         def leave():
-            print(f"[rank {group.rank}] no stop plan {WORKER_GRACE_S:g} s after signal {signum}; exiting",
+            print(f"[rank {group.rank}] {waiting_for} {WORKER_GRACE_S:g} s after signal {signum}; exiting",
                   file=sys.stderr, flush=True)
             os._exit(0)
 
@@ -80,6 +85,11 @@ def _serve_worker(engine, group) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+
+def _serve_worker(engine, group) -> int:
+    """A non-driver rank: follow plans; on a signal wait for the stop plan, leave after a grace period."""
+    _on_signal_leave_after_grace(group, "no stop plan")
     engine.run_worker()
     destroy_tp_group(group)
     print(f"[rank {group.rank}] stopped; exit 0", file=sys.stderr, flush=True)
@@ -91,21 +101,7 @@ def _serve_replica(engine, group, channel, heartbeat_s: float) -> int:
     from tpguide.serving.replica_server import serve_replica
 
     leaving = threading.Event()
-
-    def on_signal(signum, _frame):
-        leaving.set()
-
-        def leave():
-            print(f"[rank {group.rank}] no stop from the front end {WORKER_GRACE_S:g} s after signal {signum}; "
-                  f"exiting", file=sys.stderr, flush=True)
-            os._exit(0)
-
-        timer = threading.Timer(WORKER_GRACE_S, leave)
-        timer.daemon = True
-        timer.start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    _on_signal_leave_after_grace(group, "no stop from the front end", leaving)
     serve_replica(engine, channel, heartbeat_s, leaving)
     destroy_tp_group(group)
     print(f"[rank {group.rank}] stopped; exit 0", file=sys.stderr, flush=True)
