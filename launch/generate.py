@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     group = init_tp_group(timeout_s=args.collective_timeout, data_parallel_size=args.data_parallel_size,
                           tensor_parallel_size=args.tensor_parallel_size)
     set_threads(args, group.tp_size)
-    channels = open_replica_channels(group, min(5.0, args.collective_timeout / 4), args.collective_timeout)
+    channels = (open_replica_channels(group, min(5.0, args.collective_timeout / 4), args.collective_timeout)
+                if group.dp_size > 1 else {})  # one replica: no control channels, no split
     engine = build_engine(group, args.model, config)
     if os.environ.get(FAULT_ENV):  # deliberate rank failure for tests (tpguide/dist/fault_inject.py)
         engine.runner.on_step = step_fault_hook(group)
@@ -113,8 +114,11 @@ def main(argv=None) -> int:
     todo = [r for r in requests if r.request_id not in done]
     partial = open_partial(args.output, append=args.resume)
     start = time.perf_counter()
-    fresh = dict(zip((r.index for r in todo), generate_on_replicas(engine, channels, todo, progress=not args.quiet,
-                                                                    on_output=partial)))
+    if channels:
+        outs = generate_on_replicas(engine, channels, todo, progress=not args.quiet, on_output=partial)
+    else:  # one replica: this engine runs every request
+        outs = engine.generate(todo, progress=not args.quiet, on_output=partial)
+    fresh = dict(zip((r.index for r in todo), outs))
     wall_s = time.perf_counter() - start
     engine.shutdown()
     outputs = [fresh[r.index] if r.index in fresh else RequestOutput.from_json(done[r.request_id], r.index) for r in requests]

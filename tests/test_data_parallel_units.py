@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tpguide.dist.group import init_tp_group
 from tpguide.dist.replicas import ReplicaLayout, describe_replica, layout_from_sizes
 from tpguide.engine.data_parallel import assign_to_replicas, request_cost
 from tpguide.engine.request_io import request_from_dict
@@ -32,6 +33,18 @@ def test_sizes_flags():
         layout_from_sizes(4, None, 3)
     with pytest.raises(ValueError, match=">= 1, got 0"):
         layout_from_sizes(4, 0, None)
+
+
+def test_one_process_group_checks_the_sizes(monkeypatch):
+    """Without torchrun a plain size-1 group; sizes above 1 are refused, naming them."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for dp, tp in [(None, None), (1, None), (None, 1), (1, 1)]:
+        group = init_tp_group(data_parallel_size=dp, tensor_parallel_size=tp)
+        assert (group.tp_size, group.dp_size, group.rank) == (1, 1, 0)
+    with pytest.raises(ValueError, match="--data-parallel-size 2 must divide the world size .* 1"):
+        init_tp_group(data_parallel_size=2)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 must divide the world size .* 1"):
+        init_tp_group(tensor_parallel_size=2)
 
 
 def test_offline_split_balances_tokens_in_input_order():

@@ -134,10 +134,11 @@ def init_tp_group(
         without enough CUDA devices, or the sizes do not split the world.
     """
     world_size = _env_int("WORLD_SIZE", 1)
+    if world_size == 1:  # a plain process
+        if {data_parallel_size, tensor_parallel_size} - {None, 1}:
+            layout_from_sizes(world_size, data_parallel_size, tensor_parallel_size)  # raises, naming the sizes
+        return TPGroup(device=torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
     layout = layout_from_sizes(world_size, data_parallel_size, tensor_parallel_size)
-    if world_size == 1:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        return TPGroup(device=device)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
