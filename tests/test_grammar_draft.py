@@ -180,3 +180,54 @@ def test_flags_compose_grammar_drafts_with_the_method(argv, method, grammar, k):
 def test_flags_refuse_k_without_drafts():
     with pytest.raises(ValueError, match="needs drafts"):
         _args("--speculative-method", "none", "--num-speculative-tokens", "3")
+
+
+def _layout_request(slot, text, tokenizer, whitespace=None):
+    guide = {"json": SCHEMA} if whitespace is None else {"json": SCHEMA, "json_whitespace": whitespace}
+    req = Request("r", 0, SamplingParams(max_tokens=40), prompt_token_ids=[1, 2],
+                  output_token_ids=encode(tokenizer, text))
+    req.slot, req.structured_output = slot, StructuredOutputsParams.from_request(guide)
+    return req
+
+
+@pytest.mark.parametrize("text, layout_text", [
+    ('{\n  "name": "Al",\n', '  "age": '),  # json.dumps(indent=2): the other layouts dropped out at "\n"
+    ('{"name": "Al", ', '"age": '),  # one line, ", " and ": "
+    ('{\n    "name": "Al",\n', '    "age": '),  # indent 4
+])
+def test_layouts_draft_the_whitespace_the_output_has_kept(text, layout_text, tokenizer):
+    """Bounded whitespace forces nothing after a comma; the layout still in the race drafts its spacing and name."""
+    drafter = GrammarDrafter(tokenizer, VOCAB)
+    decoder = _decoder("xgrammar", 0, {"json": SCHEMA}, tokenizer, text)
+    assert decoder._matchers[0].find_jump_forward_string() == ""  # the guide itself forces nothing here
+    assert drafter.propose(decoder, 0, 8) == []  # without the request: forced text only
+    req = _layout_request(0, text, tokenizer)
+    drafts = drafter.propose(decoder, 0, 8, req)
+    assert drafts == drafter.draft_tokens(layout_text, 8) and drafts
+    assert decoder._matchers[0].num_accepted_tokens == len(req.output_token_ids)  # rolled back
+    # the output leaves the layout: a second newline after the comma is no json.dumps layout
+    req.output_token_ids = req.output_token_ids + encode(tokenizer, "\n")
+    assert decoder.accept_token(0, req.output_token_ids[-1])
+    assert drafter.propose(decoder, 0, 8, req) == []
+
+
+def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_all(tokenizer):
+    """``prepare`` fills the backend cache (the compile thread); compact guides and other guide types get no layouts."""
+    backend = make_backend("auto", tokenizer, VOCAB, [2])
+    drafter = GrammarDrafter(tokenizer, VOCAB)
+    params = StructuredOutputsParams.from_request({"json": SCHEMA})
+    xgrammar = backend.backends["xgrammar"]
+    before = len(xgrammar._cache)
+    drafter.prepare(backend, params)
+    assert len(xgrammar._cache) == before + 4  # one per json.dumps layout
+    drafter.prepare(backend, params)
+    assert len(xgrammar._cache) == before + 4  # cached
+    for guide in ({"json": SCHEMA, "json_whitespace": "compact"}, {"regex": "[ab]+"}):
+        drafter.prepare(backend, StructuredOutputsParams.from_request(guide))
+    assert len(xgrammar._cache) == before + 4
+    with pytest.raises(ValueError, match="no 'indent9' JSON layout"):
+        xgrammar.compile_layout(params, "indent9")
+    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
+    decoder.add_request(0, StructuredOutputsParams.from_request({"json": SCHEMA, "json_whitespace": "compact"}))
+    req = _layout_request(0, "", tokenizer, whitespace="compact")
+    assert drafter.propose(decoder, 0, 8, req) == drafter.draft_tokens('{"name":"', 8)  # the guide's own text

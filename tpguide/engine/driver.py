@@ -26,7 +26,6 @@ request up front (fail closed, docs/architecture.md §5) belong here.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import deque
 from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -254,7 +253,15 @@ class Driver:
 
     def _submit_guide(self, req: Request):
         def submit(params) -> None:
-            self._compiles.submit(req.index, functools.partial(admit, self.guided_decoder().backend, params))
+            backend = self.guided_decoder().backend
+            drafter = self.spec.grammar_drafter if self.spec is not None else None
+
+            def job():
+                admitted = admit(backend, params)
+                if drafter is not None:  # the layouts of grammar drafts, compiled beside the guide
+                    drafter.prepare(backend, params)
+                return admitted
+            self._compiles.submit(req.index, job)
         return submit
 
     def wait_for_admissions(self) -> None:

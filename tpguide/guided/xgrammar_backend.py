@@ -34,7 +34,23 @@ import torch
 import xgrammar as xgr
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
-from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, xgrammar_json_options
+from tpguide.guided.params import (
+    DEFAULT_JSON_WHITESPACE,
+    JSON_GUIDE_TYPES,
+    StructuredOutputsParams,
+    check_whitespace_mode,
+    xgrammar_json_options,
+)
+
+#: JSON layouts (``json.dumps`` styles) the grammar drafter guesses a model writes
+#: (:mod:`tpguide.speculative.grammar_draft`): ``compile_json_schema`` options with no
+#: other whitespace, so the layout's grammar forces every separator and indentation.
+JSON_LAYOUTS = {
+    "indent2": {"indent": 2, "separators": (",", ": ")},
+    "spaced": {"separators": (", ", ": ")},
+    "indent4": {"indent": 4, "separators": (",", ": ")},
+    "compact": {"separators": (",", ":")},
+}
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -191,6 +207,36 @@ class XGrammarBackend(GuidedBackend):
             raise ValueError(
                 f"xgrammar cannot compile this {guide_type}: {_xgrammar_message(exc)}"
             ) from exc
+
+    def compile_layout(self, params: StructuredOutputsParams, layout: str) -> xgr.CompiledGrammar:
+        """``params``'s JSON guide compiled for one :data:`JSON_LAYOUTS` layout, from the LRU cache when seen.
+
+        For drafting only: a layout's grammar allows one spelling of each
+        value's whitespace, so it forces the text a model writing that layout
+        will write (docs/architecture.md §5 "Grammar drafts").  The drafts it
+        gives are checked by the request's own matcher.
+
+        Raises
+        ------
+        ValueError
+            ``params`` is not a JSON guide, ``layout`` is not in
+            :data:`JSON_LAYOUTS`, or xgrammar cannot compile it.
+        """
+        if params.guide_type not in JSON_GUIDE_TYPES or layout not in JSON_LAYOUTS:
+            raise ValueError(f"no {layout!r} JSON layout for a {params.guide_type} guide "
+                             f"(layouts: {list(JSON_LAYOUTS)}, JSON guide types: {list(JSON_GUIDE_TYPES)})")
+        key = ("layout", layout) + params.cache_key(self.json_whitespace)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            compiled = self.compiler.compile_json_schema(params.guide_text, any_whitespace=False,
+                                                         **JSON_LAYOUTS[layout])
+        except Exception as exc:  # xgrammar raises RuntimeError
+            raise ValueError(f"xgrammar cannot compile the {layout} layout: {_xgrammar_message(exc)}") from exc
+        self._remember(key, compiled)
+        return compiled
 
     def _compile_structural_tag(self, guide_text: str) -> xgr.CompiledGrammar:
         tag = json.loads(guide_text)

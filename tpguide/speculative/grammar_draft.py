@@ -6,7 +6,8 @@ closing brackets, a tool call's ``{"name": "get_weather", "arguments": ``.
 Decoding it token by token costs one forward pass per forced token; drafting
 it costs one verify pass for up to ``K`` of them::
 
-    forced   text = matcher.find_jump_forward_string()     (xgrammar: its own call,
+    forced   text = the first live layout's forced text, else
+                    matcher.find_jump_forward_string()     (xgrammar: its own call,
                                                             llguidance: the forced bytes)
     draft    tokenizer.encode(text, add_special_tokens=False)[:K]
              the last token dropped when it is a strict prefix of a longer
@@ -19,9 +20,26 @@ it costs one verify pass for up to ``K`` of them::
              character the string call leaves out)
 
 all through one cursor that rolls the matcher back at the end
-(:mod:`tpguide.guided.spec_decoder`).  The target model verifies the drafts
-with the exact rule (:mod:`tpguide.speculative.verify`), so the output is
-that of token-by-token decoding.  Unlike SGLang's jump-forward decoding,
+(:mod:`tpguide.guided.spec_decoder`).
+
+**Layouts.**  With bounded (or any) JSON whitespace the grammar forces
+little: after ``{`` a newline, a space and ``"`` are all allowed, so nothing
+is forced until the property name.  But a model keeps one layout: the
+embedded SmolLM2 writes ``json.dumps(indent=2)``.  So each JSON guide is also
+compiled for the common ``json.dumps`` layouts
+(:data:`~tpguide.guided.xgrammar_backend.JSON_LAYOUTS`: indent 2, ``", "`` /
+``": "`` on one line, indent 4, compact), whose grammars force every
+separator and indentation.  One matcher per layout follows the request's
+output tokens and drops out at the first token its layout does not allow; the
+first layout still in the race supplies the text to draft.  A wrong guess
+costs verify rows only: the request's own matcher checks every draft, and
+the target model verifies them.  The layouts are compiled in the compile
+thread with the guide (:meth:`GrammarDrafter.prepare`), through the xgrammar
+backend (``--guided-backend llguidance`` alone drafts forced text only).
+
+The target model verifies the drafts with the exact rule
+(:mod:`tpguide.speculative.verify`), so the output is that of
+token-by-token decoding.  Unlike SGLang's jump-forward decoding,
 which appends the retokenized text outright and so can change the tokens,
 a tokenization the model would not choose only costs rows: the target
 rejects it and emits its own token as the bonus.
@@ -30,9 +48,13 @@ rejects it and emits its own token as the bonus.
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 from tpguide.guided.bitmask import allocate_token_bitmask, single_allowed_token
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.params import JSON_GUIDE_TYPES, StructuredOutputsParams
+from tpguide.guided.xgrammar_backend import JSON_LAYOUTS, XGrammarBackend
 
 
 def strict_prefix_token_ids(tokenizer) -> frozenset:
@@ -55,6 +77,29 @@ def strict_prefix_token_ids(tokenizer) -> frozenset:
     return frozenset(token_id for token, token_id in pieces.items() if token in prefixes)
 
 
+def layout_backend(backend: GuidedBackend) -> Optional[XGrammarBackend]:
+    """The xgrammar backend that compiles layouts: ``backend`` itself, ``auto``'s xgrammar, or None."""
+    if isinstance(backend, XGrammarBackend):
+        return backend
+    found = getattr(backend, "backends", {}).get("xgrammar")  # AutoBackend
+    return found if isinstance(found, XGrammarBackend) else None
+
+
+def drafts_layouts(params: Optional[StructuredOutputsParams], default_whitespace: str) -> bool:
+    """True for a JSON guide whose whitespace is not compact (compact: the guide itself forces every separator)."""
+    return (params is not None and params.guide_type in JSON_GUIDE_TYPES
+            and params.json_whitespace_or(default_whitespace) != "compact")
+
+
+@dataclass
+class _Layouts:
+    """One request's layout matchers still in the race, and how many of its output tokens they have seen."""
+
+    request: Any
+    matchers: List[GrammarMatcher] = field(default_factory=list)
+    num_seen: int = 0
+
+
 class GrammarDrafter:
     """Drafts the forced text of a guided request's grammar (see the module docstring).
 
@@ -74,6 +119,40 @@ class GrammarDrafter:
         self._scratch = allocate_token_bitmask(1, padded_vocab_size)
         self._tokens_of = functools.lru_cache(maxsize=cache_size)(self._encode)
         self._strict_prefix_ids = None  # built on first use (a pass over the vocabulary)
+        self._layouts: Dict[int, _Layouts] = {}  # by slot
+
+    def prepare(self, backend: GuidedBackend, params: StructuredOutputsParams) -> None:
+        """Compile ``params``'s layouts into the xgrammar backend's cache (the compile thread); never raises.
+
+        A layout that does not compile is left out; the draft of such a
+        layout is then never proposed (:meth:`propose` skips it too).
+        """
+        source = layout_backend(backend)
+        if source is None or not drafts_layouts(params, source.json_whitespace):
+            return
+        for layout in JSON_LAYOUTS:
+            try:
+                source.compile_layout(params, layout)
+            except ValueError:
+                continue
+
+    def _layout_matchers(self, backend: GuidedBackend, slot: int, req) -> List[GrammarMatcher]:
+        """``req``'s layout matchers in ``slot``, advanced by its output tokens; those a token ruled out dropped."""
+        state = self._layouts.get(slot)
+        if state is None or state.request is not req:
+            state = self._layouts[slot] = _Layouts(req)
+            source = layout_backend(backend)
+            if source is not None and drafts_layouts(req.structured_output, source.json_whitespace):
+                for layout in JSON_LAYOUTS:
+                    try:
+                        state.matchers.append(source.matcher(source.compile_layout(req.structured_output, layout)))
+                    except ValueError:
+                        continue
+        tokens = req.output_token_ids
+        for token in tokens[state.num_seen:]:
+            state.matchers = [m for m in state.matchers if not m.is_terminated() and m.accept_token(token)]
+        state.num_seen = len(tokens)
+        return state.matchers
 
     def _encode(self, text: str) -> Tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -89,7 +168,7 @@ class GrammarDrafter:
             tokens.pop()
         return tokens
 
-    def propose(self, guided, slot: int, k: int) -> List[int]:
+    def propose(self, guided, slot: int, k: int, req=None) -> List[int]:
         """Up to ``k`` drafts for ``slot``'s request from its grammar state (which is unchanged afterwards).
 
         Parameters
@@ -99,6 +178,10 @@ class GrammarDrafter:
         slot : int
         k : int
             Most drafts (``>= 0``).
+        req : Request, optional
+            The request in ``slot`` (its guide and output tokens): with it a
+            JSON guide's layouts are drafted (module docstring); without it
+            only forced text.
 
         Returns
         -------
@@ -113,9 +196,11 @@ class GrammarDrafter:
         drafts: List[int] = []
         if k <= 0:
             return drafts
+        layouts = self._layout_matchers(guided.backend, slot, req) if req is not None else []
         with guided.drafting(slot) as cursor:
             matcher = cursor.matcher
-            tokens = self.draft_tokens(matcher.find_jump_forward_string(), k)
+            text = layouts[0].find_jump_forward_string() if layouts else ""
+            tokens = self.draft_tokens(text or matcher.find_jump_forward_string(), k)
             for token in tokens:
                 if not cursor.accept(token):
                     return drafts

@@ -203,7 +203,7 @@ class Speculator:
         if not k:
             return []
         if self.grammar_drafter is not None and slot is not None and not req.sampling_params.has_penalties:
-            drafts = self.grammar_drafter.propose(guided, slot, k)
+            drafts = self.grammar_drafter.propose(guided, slot, k, req)
             if drafts:
                 self._forced[req.slot] = True
                 return drafts
