@@ -190,18 +190,20 @@ def _layout_request(slot, text, tokenizer, whitespace=None):
     return req
 
 
+@pytest.mark.parametrize("name", BACKENDS)  # llguidance: the drafter's own xgrammar backend compiles the layouts
 @pytest.mark.parametrize("text, layout_text", [
     ('{\n  "name": "Al",\n', '  "age": '),  # json.dumps(indent=2): the other layouts dropped out at "\n"
     ('{"name": "Al", ', '"age": '),  # one line, ", " and ": "
     ('{\n    "name": "Al",\n', '    "age": '),  # indent 4
 ])
-def test_layouts_draft_the_whitespace_the_output_has_kept(text, layout_text, tokenizer):
+def test_layouts_draft_the_whitespace_the_output_has_kept(name, text, layout_text, tokenizer):
     """Bounded whitespace forces nothing after a comma; the layout still in the race drafts its spacing and name."""
     drafter = GrammarDrafter(tokenizer, VOCAB)
-    decoder = _decoder("xgrammar", 0, {"json": SCHEMA}, tokenizer, text)
+    decoder = _decoder(name, 0, {"json": SCHEMA}, tokenizer, text)
     assert decoder._matchers[0].find_jump_forward_string() == ""  # the guide itself forces nothing here
     assert drafter.propose(decoder, 0, 8) == []  # without the request: forced text only
     req = _layout_request(0, text, tokenizer)
+    drafter.prepare(decoder.backend, req.structured_output)
     drafts = drafter.propose(decoder, 0, 8, req)
     assert drafts == drafter.draft_tokens(layout_text, 8) and drafts
     assert decoder._matchers[0].num_accepted_tokens == len(req.output_token_ids)  # rolled back
@@ -217,17 +219,24 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
     drafter = GrammarDrafter(tokenizer, VOCAB)
     params = StructuredOutputsParams.from_request({"json": SCHEMA})
     xgrammar = backend.backends["xgrammar"]
-    before = len(xgrammar._cache)
+    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
+    decoder.add_request(1, params)
+    guides = len(xgrammar._cache)
+    text = '{\n  "name": "Al",\n'
+    for token in encode(tokenizer, text):
+        assert decoder.accept_token(1, token)
+    assert drafter.propose(decoder, 1, 8, _layout_request(1, text, tokenizer)) == []  # a step never compiles
     drafter.prepare(backend, params)
-    assert len(xgrammar._cache) == before + 4  # one per json.dumps layout
+    assert drafter.propose(decoder, 1, 8, _layout_request(1, text, tokenizer)) == drafter.draft_tokens('  "age": ', 8)
+    assert len(xgrammar._layouts) == 4 and len(xgrammar._cache) == guides  # one per json.dumps layout, apart
     drafter.prepare(backend, params)
-    assert len(xgrammar._cache) == before + 4  # cached
+    assert len(xgrammar._layouts) == 4  # cached
     for guide in ({"json": SCHEMA, "json_whitespace": "compact"}, {"regex": "[ab]+"}):
         drafter.prepare(backend, StructuredOutputsParams.from_request(guide))
-    assert len(xgrammar._cache) == before + 4
+    assert len(xgrammar._layouts) == 4
+    assert all(xgrammar.cached_layout(params, layout) is not None for layout in ("indent2", "compact"))
     with pytest.raises(ValueError, match="no 'indent9' JSON layout"):
         xgrammar.compile_layout(params, "indent9")
-    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
     decoder.add_request(0, StructuredOutputsParams.from_request({"json": SCHEMA, "json_whitespace": "compact"}))
     req = _layout_request(0, "", tokenizer, whitespace="compact")
     assert drafter.propose(decoder, 0, 8, req) == drafter.draft_tokens('{"name":"', 8)  # the guide's own text

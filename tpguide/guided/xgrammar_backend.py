@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Optional
 
 import torch
 import xgrammar as xgr
@@ -185,6 +186,7 @@ class XGrammarBackend(GuidedBackend):
         super().__init__(padded_vocab_size, stop_token_ids, cache_size)
         self.json_whitespace = check_whitespace_mode(json_whitespace)
         self.tokenizer_info = make_tokenizer_info(tokenizer, padded_vocab_size, self.stop_token_ids)
+        self._layouts: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()  # compile_layout's LRU cache
         # Our LRU caches compiled grammars; xgrammar's own cache would duplicate it.
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads, cache_enabled=False
@@ -225,18 +227,32 @@ class XGrammarBackend(GuidedBackend):
         if params.guide_type not in JSON_GUIDE_TYPES or layout not in JSON_LAYOUTS:
             raise ValueError(f"no {layout!r} JSON layout for a {params.guide_type} guide "
                              f"(layouts: {list(JSON_LAYOUTS)}, JSON guide types: {list(JSON_GUIDE_TYPES)})")
-        key = ("layout", layout) + params.cache_key(self.json_whitespace)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        cached = self.cached_layout(params, layout)
+        if cached is not None:
+            return cached
         try:
             compiled = self.compiler.compile_json_schema(params.guide_text, any_whitespace=False,
                                                          **JSON_LAYOUTS[layout])
         except Exception as exc:  # xgrammar raises RuntimeError
             raise ValueError(f"xgrammar cannot compile the {layout} layout: {_xgrammar_message(exc)}") from exc
-        self._remember(key, compiled)
+        with self._lock:
+            self._layouts[(layout,) + params.cache_key(self.json_whitespace)] = compiled
+            while len(self._layouts) > len(JSON_LAYOUTS) * self.cache_size:  # least recently used out
+                self._layouts.popitem(last=False)
         return compiled
+
+    def cached_layout(self, params: StructuredOutputsParams, layout: str) -> Optional[xgr.CompiledGrammar]:
+        """:meth:`compile_layout`'s result if it is cached (never compiles: the driver's step calls this), else None.
+
+        Layouts have their own LRU cache (``len(JSON_LAYOUTS) * cache_size``
+        entries), so they never evict a guide.
+        """
+        key = (layout,) + params.cache_key(self.json_whitespace)
+        with self._lock:
+            if key in self._layouts:
+                self._layouts.move_to_end(key)
+                return self._layouts[key]
+        return None
 
     def _compile_structural_tag(self, guide_text: str) -> xgr.CompiledGrammar:
         tag = json.loads(guide_text)

@@ -68,7 +68,7 @@ class ServerMetrics:
         self.speculation = {field: Counter(f"tpguide:spec_decode_{name}", help_, registry=r) for field, name, help_ in (
             ("num_drafted", "num_draft_tokens", "Draft tokens verified (every drafter)"),
             ("num_accepted", "num_accepted_tokens", "Draft tokens the model accepted"),
-            ("num_forced_drafted", "num_forced_draft_tokens", "Grammar drafts (forced text) verified"),
+            ("num_forced_drafted", "num_forced_draft_tokens", "Grammar drafts (forced text, JSON layouts) verified"),
             ("num_forced_accepted", "num_forced_accepted_tokens", "Grammar drafts the model accepted"),
             ("num_sample_passes", "num_forward_passes", "Forward passes whose sample a request used"),
             ("num_generated_tokens", "num_generated_tokens", "Tokens those passes generated "

@@ -33,9 +33,10 @@ separator and indentation.  One matcher per layout follows the request's
 output tokens and drops out at the first token its layout does not allow; the
 first layout still in the race supplies the text to draft.  A wrong guess
 costs verify rows only: the request's own matcher checks every draft, and
-the target model verifies them.  The layouts are compiled in the compile
-thread with the guide (:meth:`GrammarDrafter.prepare`), through the xgrammar
-backend (``--guided-backend llguidance`` alone drafts forced text only).
+the target model verifies them.  The layouts are compiled by xgrammar in the
+compile thread right after the guide's admission
+(:meth:`GrammarDrafter.prepare`), whichever backend runs the guide; a step
+only looks them up (a layout evicted or not compiled is not in the race).
 
 The target model verifies the drafts with the exact rule
 (:mod:`tpguide.speculative.verify`), so the output is that of
@@ -48,6 +49,7 @@ rejects it and emits its own token as the bonus.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -75,14 +77,6 @@ def strict_prefix_token_ids(tokenizer) -> frozenset:
     pieces = {token: token_id for token, token_id in tokenizer.get_vocab().items() if token_id not in special}
     prefixes = {token[:i] for token in pieces for i in range(1, len(token))}
     return frozenset(token_id for token, token_id in pieces.items() if token in prefixes)
-
-
-def layout_backend(backend: GuidedBackend) -> Optional[XGrammarBackend]:
-    """The xgrammar backend that compiles layouts: ``backend`` itself, ``auto``'s xgrammar, or None."""
-    if isinstance(backend, XGrammarBackend):
-        return backend
-    found = getattr(backend, "backends", {}).get("xgrammar")  # AutoBackend
-    return found if isinstance(found, XGrammarBackend) else None
 
 
 def drafts_layouts(params: Optional[StructuredOutputsParams], default_whitespace: str) -> bool:
@@ -120,17 +114,41 @@ class GrammarDrafter:
         self._tokens_of = functools.lru_cache(maxsize=cache_size)(self._encode)
         self._strict_prefix_ids = None  # built on first use (a pass over the vocabulary)
         self._layouts: Dict[int, _Layouts] = {}  # by slot
+        self._own_layout_backend: Optional[XGrammarBackend] = None
+        self._lock = threading.Lock()
+
+    def layout_backend(self, backend: GuidedBackend) -> Optional[XGrammarBackend]:
+        """The xgrammar backend that compiles layouts: ``backend`` itself, ``auto``'s xgrammar, else one of its own.
+
+        The drafter's own (built once, for ``--guided-backend llguidance``)
+        shares ``backend``'s vocabulary width, stop ids and whitespace
+        default; None if xgrammar cannot read the tokenizer.
+        """
+        if isinstance(backend, XGrammarBackend):
+            return backend
+        found = getattr(backend, "backends", {}).get("xgrammar")  # AutoBackend
+        if isinstance(found, XGrammarBackend):
+            return found
+        with self._lock:
+            if self._own_layout_backend is None:
+                try:
+                    self._own_layout_backend = XGrammarBackend(
+                        self.tokenizer, backend.padded_vocab_size, backend.stop_token_ids,
+                        json_whitespace=backend.json_whitespace)
+                except Exception:  # noqa: BLE001 - no layouts then; forced text still drafts
+                    return None
+            return self._own_layout_backend
 
     def prepare(self, backend: GuidedBackend, params: StructuredOutputsParams) -> None:
-        """Compile ``params``'s layouts into the xgrammar backend's cache (the compile thread); never raises.
+        """Compile ``params``'s layouts into the layout cache (the compile thread, after admission); never raises.
 
-        A layout that does not compile is left out; the draft of such a
-        layout is then never proposed (:meth:`propose` skips it too).
+        A layout that does not compile is left out of the race
+        (:meth:`propose` uses cached layouts only, never compiling in a step).
         """
-        source = layout_backend(backend)
-        if source is None or not drafts_layouts(params, source.json_whitespace):
+        if not drafts_layouts(params, backend.json_whitespace):
             return
-        for layout in JSON_LAYOUTS:
+        source = self.layout_backend(backend)
+        for layout in JSON_LAYOUTS if source is not None else ():
             try:
                 source.compile_layout(params, layout)
             except ValueError:
@@ -141,13 +159,12 @@ class GrammarDrafter:
         state = self._layouts.get(slot)
         if state is None or state.request is not req:
             state = self._layouts[slot] = _Layouts(req)
-            source = layout_backend(backend)
-            if source is not None and drafts_layouts(req.structured_output, source.json_whitespace):
-                for layout in JSON_LAYOUTS:
-                    try:
-                        state.matchers.append(source.matcher(source.compile_layout(req.structured_output, layout)))
-                    except ValueError:
-                        continue
+            params = req.structured_output
+            source = self.layout_backend(backend) if drafts_layouts(params, backend.json_whitespace) else None
+            for layout in JSON_LAYOUTS if source is not None else ():
+                compiled = source.cached_layout(params, layout)
+                if compiled is not None:
+                    state.matchers.append(source.matcher(compiled))
         tokens = req.output_token_ids
         for token in tokens[state.num_seen:]:
             state.matchers = [m for m in state.matchers if not m.is_terminated() and m.accept_token(token)]

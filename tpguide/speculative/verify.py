@@ -62,7 +62,7 @@ class SpecStats:
     num_accepted : int
         Drafts the target agreed with (before truncation at a stop).
     num_forced_drafted, num_forced_accepted : int
-        The same for the grammar drafter's drafts (forced text) alone.
+        The same for the grammar drafter's drafts alone (forced text and JSON layouts).
     num_verify_steps : int
         Decode steps that carried at least one draft.
     num_decode_steps : int
@@ -98,7 +98,7 @@ class SpecStats:
 
     def summary(self, method: str, k: int) -> str:
         return (f"speculative {method} k={k}: drafted {self.num_drafted}, accepted {self.num_accepted} "
-                f"(rate {100 * self.acceptance_rate:.1f}%); forced text drafted {self.num_forced_drafted}, "
+                f"(rate {100 * self.acceptance_rate:.1f}%); grammar drafts {self.num_forced_drafted}, "
                 f"accepted {self.num_forced_accepted}; {self.num_verify_steps} of {self.num_decode_steps} "
                 f"decode steps carried drafts; {self.num_sample_passes} forward passes for "
                 f"{self.num_generated_tokens} generated tokens ({self.passes_per_token:.3f} per token)")
