@@ -33,3 +33,20 @@ def test_real_model_accepts_forced_text_and_changes_no_token(default_model_path,
     assert all(o["finish_reason"] in ("stop", "length") for o in outputs), [o["error"] for o in outputs]
     assert stats.num_forced_accepted >= 0.8 * stats.num_forced_drafted > 0, stats
     assert stats.num_sample_passes <= 0.8 * stats.num_generated_tokens, stats  # the tool call's header
+
+
+def test_json_layouts_save_passes_and_change_no_token(default_model_path, monkeypatch):
+    """The demo's JSON (the model writes ``json.dumps(indent=2)``): its layout drafts the indentation too.
+
+    ``LAYOUT_COMPILE_BUDGET = 0``: no guide is quick enough for layouts, so only forced text is drafted.
+    """
+    import tpguide.engine.driver as driver
+
+    demo = next(r for r in DEMO_REQUESTS if r["id"] == "json-schema")
+    lines = [{**demo, "id": f"j{i}", "max_tokens": 48, "logprobs": 1} for i in range(2)]
+    with_layouts, stats = run(TPGroup(), default_model_path, lines, EngineConfig(**BASE))
+    monkeypatch.setattr(driver, "LAYOUT_COMPILE_BUDGET", 0.0)
+    forced_only, forced_stats = run(TPGroup(), default_model_path, lines, EngineConfig(**BASE))
+    assert key(with_layouts) == key(forced_only)
+    assert with_layouts[0]["text"].startswith("{\n  "), with_layouts[0]["text"]
+    assert stats.num_sample_passes < 0.8 * forced_stats.num_sample_passes, (stats, forced_stats)

@@ -129,6 +129,11 @@ def _check_stop_and_penalties(req: Request, tokenizer_vocab_size: int, config) -
                          f"[0, {tokenizer_vocab_size})")
 
 
+#: JSON layouts of grammar drafts are compiled only for a guide admitted within this share of
+#: ``grammar_compile_timeout_s`` (docs/architecture.md §5 "JSON layouts").
+LAYOUT_COMPILE_BUDGET = 0.1
+
+
 class Filled(NamedTuple):
     """One bitmask fill of the driver: full rows, which rows are guided, and the rows whose fill failed."""
 
@@ -255,10 +260,14 @@ class Driver:
         def submit(params) -> None:
             backend = self.guided_decoder().backend
             drafter = self.spec.grammar_drafter if self.spec is not None else None
+            timeout_s = self.config.grammar_compile_timeout_s or 60.0
 
             def job():
+                start = time.perf_counter()
                 admitted = admit(backend, params)
-                if drafter is not None:  # the layouts of grammar drafts, compiled beside the guide
+                # the grammar drafter's JSON layouts, compiled beside the guide where the guide itself was
+                # quick (a layout compiles faster than its guide, so the four stay far inside the timeout)
+                if drafter is not None and time.perf_counter() - start < LAYOUT_COMPILE_BUDGET * timeout_s:
                     drafter.prepare(backend, params)
                 return admitted
             self._compiles.submit(req.index, job)
