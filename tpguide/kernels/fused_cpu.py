@@ -130,11 +130,15 @@ def act_and_mul(gate_up: torch.Tensor, op: str = "silu") -> torch.Tensor:
     return out
 
 
-def _heads(x: torch.Tensor, what: str) -> torch.Tensor:
-    """``x`` as ``[T, H, D]`` with a unit last stride (copied only if it has none)."""
+def _heads(x: torch.Tensor, what: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` as ``[T, H, D]`` with a unit last stride (copied only if it has none), and its strides."""
     if x.dim() != 3:
         raise ValueError(f"{what} must be [T, heads, head_dim], got {tuple(x.shape)}")
-    return x if x.stride(2) == 1 else x.contiguous()
+    strides = x.stride()
+    if strides[2] != 1:
+        x = x.contiguous()
+        strides = x.stride()
+    return x, strides
 
 
 def rotary_fixed_order(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -179,7 +183,7 @@ def rotary_fixed_order(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
         outside the cache.
     """
     code = _code(q, "q")
-    q, k = _heads(q, "q"), _heads(k, "k")
+    (q, qs), (k, ks) = _heads(q, "q"), _heads(k, "k")
     t, h, d = q.shape
     hkv = k.shape[1]
     cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
@@ -201,15 +205,15 @@ def rotary_fixed_order(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
                              f"with v_cache) does not fit q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}")
         rows = rows.to(torch.int64).contiguous()
         k_out, num_rows, row_ptr = k_cache, k_cache.shape[0] * k_cache.shape[1], rows.data_ptr()
+    vs = (0, 0)
     if v is not None:
-        v = _heads(v, "v")
+        v, vs = _heads(v, "v")
         if v.shape != k.shape or v.dtype != q.dtype:
             raise ValueError(f"v {tuple(v.shape)} {v.dtype} does not match k {tuple(k.shape)} {k.dtype}")
     q_out = torch.empty(t, h, d, dtype=q.dtype)
     if t:
         status = library().tpguide_rotary(
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-            None if v is None else v.data_ptr(), 0 if v is None else v.stride(0), 0 if v is None else v.stride(1),
+            q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], None if v is None else v.data_ptr(), vs[0], vs[1],
             code, t, h, hkv, d, r, cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
             None if v_cache is None else v_cache.data_ptr(), row_ptr, num_rows, torch.get_num_threads())
         if status != 0:

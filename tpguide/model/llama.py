@@ -201,7 +201,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:  # the residual carried: add + norm in one call (docs/architecture.md §6)
             x, residual = layer.forward_residual(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -44,17 +44,12 @@ static inline float bf16_to_f32(uint16_t h) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : rounded; /* a select, not a branch: vectorisable */
 }
 
 /* v rounded to bf16 and widened back: the value a bf16 tensor holds after torch's store. */
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
-/* Element i of an fp32 (dtype 0) or bf16 (2) array, widened exactly. */
-static inline float load_elem(const void *a, int64_t dtype, int64_t i) {
-    return dtype == 0 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
-}
 
 /* out[i] = v, rounded to bf16 (as torch's cast) where dtype is 2. */
 static inline void store_elem(void *out, int64_t dtype, int64_t i, float v) {
@@ -658,7 +653,7 @@ void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *ou
 
 /* ---- Fused element-wise kernels of the decoder step (docs/architecture.md §6).  Each reproduces,
  * bit for bit, the torch expression it replaces: the same fp32 operations in the same order, and
- * in bf16 (dtype 2) a rounding to bf16 (round_bf16 / store_elem) wherever torch stores a bf16
+ * in bf16 (dtype 2) a rounding to bf16 (round_bf16 / f32_to_bf16) wherever torch stores a bf16
  * tensor.  Rows are independent, one row per thread. ---- */
 
 /* Residual add + RMS norm (vLLM's fused_add_rms_norm).  x, residual (may be NULL), out,
@@ -679,17 +674,30 @@ int tpguide_add_rms_norm(const void *x, const void *residual, const void *weight
         for (int64_t t = 0; t < T; t++) {
             if (!h) continue;
             const int64_t base = t * D;
-            for (int64_t d = 0; d < D; d++) {
-                float v = load_elem(x, dtype, base + d);
-                if (residual) v = v + load_elem(residual, dtype, base + d);
-                h[d] = dtype == 0 ? v : round_bf16(v);
-            }
-            if (residual_out)
-                for (int64_t d = 0; d < D; d++) store_elem(residual_out, dtype, base + d, h[d]);
-            const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
-            for (int64_t d = 0; d < D; d++) {
-                const float y = h[d] * r;
-                store_elem(out, dtype, base + d, load_elem(weight, dtype, d) * (dtype == 0 ? y : round_bf16(y)));
+            /* dtype-specialised loops (no per-element dtype test), so the compiler vectorises them */
+            if (dtype == 0) {
+                const float *restrict res = residual ? (const float *)residual + base : NULL;
+                float *restrict o = (float *)out + base;
+                const float *restrict w = (const float *)weight;
+                load_row((const float *)x + base, 0, D, h);
+                if (residual)
+                    for (int64_t d = 0; d < D; d++) h[d] = h[d] + res[d];
+                if (residual_out) memcpy((float *)residual_out + base, h, sizeof(float) * (size_t)D);
+                const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
+                for (int64_t d = 0; d < D; d++) o[d] = w[d] * (h[d] * r);
+            } else {
+                const uint16_t *restrict res = residual ? (const uint16_t *)residual + base : NULL;
+                uint16_t *restrict o = (uint16_t *)out + base;
+                const uint16_t *restrict w = (const uint16_t *)weight;
+                load_row((const uint16_t *)x + base, 2, D, h);
+                if (residual)
+                    for (int64_t d = 0; d < D; d++) h[d] = round_bf16(h[d] + bf16_to_f32(res[d]));
+                if (residual_out) {
+                    uint16_t *restrict ro = (uint16_t *)residual_out + base;
+                    for (int64_t d = 0; d < D; d++) ro[d] = f32_to_bf16(h[d]);
+                }
+                const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
+                for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(h[d] * r));
             }
         }
         free(h);
@@ -715,14 +723,20 @@ int tpguide_act_and_mul(const void *x, int64_t ldx, int64_t dtype, int64_t T, in
         for (int64_t t = 0; t < T; t++) {
             if (!g) continue;
             float *a = g + I;
-            for (int64_t i = 0; i < I; i++) g[i] = load_elem(x, dtype, t * ldx + i);
+            const size_t esize = dtype == 0 ? 4 : 2;
+            load_row((const char *)x + t * ldx * esize, dtype, I, g);
             if (op == 0)
                 silu_array(g, a, 0, I);
             else
                 for (int64_t i = 0; i < I; i++) a[i] = unary_scalar(g[i], 1, 0.0f);
-            for (int64_t i = 0; i < I; i++) {
-                const float act = dtype == 0 ? a[i] : round_bf16(a[i]);
-                store_elem(out, dtype, t * I + i, act * load_elem(x, dtype, t * ldx + I + i));
+            if (dtype == 0) {
+                const float *restrict up = (const float *)x + t * ldx + I;
+                float *restrict o = (float *)out + t * I;
+                for (int64_t i = 0; i < I; i++) o[i] = a[i] * up[i];
+            } else {
+                const uint16_t *restrict up = (const uint16_t *)x + t * ldx + I;
+                uint16_t *restrict o = (uint16_t *)out + t * I;
+                for (int64_t i = 0; i < I; i++) o[i] = f32_to_bf16(round_bf16(a[i]) * bf16_to_f32(up[i]));
             }
         }
         free(g);
@@ -737,12 +751,22 @@ int tpguide_act_and_mul(const void *x, int64_t ldx, int64_t dtype, int64_t T, in
 static inline void rotate_head(const void *x, int64_t xi, const void *c, const void *s, int64_t ci, int64_t dtype,
                                int64_t D, int64_t R, void *out, int64_t oi) {
     const int64_t half = R / 2;
-    for (int64_t d = 0; d < R; d++) {
-        const float xv = load_elem(x, dtype, xi + d);
-        const float rot = d < half ? -load_elem(x, dtype, xi + d + half) : load_elem(x, dtype, xi + d - half);
-        const float cv = load_elem(c, dtype, ci + d), sv = load_elem(s, dtype, ci + d);
-        const float y = dtype == 0 ? xv * cv + rot * sv : round_bf16(xv * cv) + round_bf16(rot * sv);
-        store_elem(out, dtype, oi + d, y);
+    if (dtype == 0) { /* two loops without a select on the address, so the compiler vectorises them */
+        const float *restrict xs = (const float *)x + xi, *restrict cs = (const float *)c + ci;
+        const float *restrict ss = (const float *)s + ci;
+        float *restrict o = (float *)out + oi;
+        for (int64_t d = 0; d < half; d++) o[d] = xs[d] * cs[d] + -xs[d + half] * ss[d];
+        for (int64_t d = half; d < R; d++) o[d] = xs[d] * cs[d] + xs[d - half] * ss[d];
+    } else {
+        const uint16_t *restrict xs = (const uint16_t *)x + xi, *restrict cs = (const uint16_t *)c + ci;
+        const uint16_t *restrict ss = (const uint16_t *)s + ci;
+        uint16_t *restrict o = (uint16_t *)out + oi;
+        for (int64_t d = 0; d < half; d++)
+            o[d] = f32_to_bf16(round_bf16(bf16_to_f32(xs[d]) * bf16_to_f32(cs[d])) +
+                               round_bf16(-bf16_to_f32(xs[d + half]) * bf16_to_f32(ss[d])));
+        for (int64_t d = half; d < R; d++)
+            o[d] = f32_to_bf16(round_bf16(bf16_to_f32(xs[d]) * bf16_to_f32(cs[d])) +
+                               round_bf16(bf16_to_f32(xs[d - half]) * bf16_to_f32(ss[d])));
     }
     const size_t esize = dtype == 0 ? 4 : 2; /* the pass-through part: a bit copy, as torch.cat */
     memcpy((char *)out + (oi + R) * esize, (const char *)x + (xi + R) * esize, (size_t)(D - R) * esize);
