@@ -121,14 +121,15 @@ def _load() -> ctypes.CDLL:
                     lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
                 if isa == "amx":
                     lib.tpguide_linear_units_amx.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64,
-                                                             _i64)
+                                                             _i64, _i64)
                     lib.tpguide_linear_units_amx.restype = ctypes.c_int
-                lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64)
+                lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
+                                                     _i64)
                 lib.tpguide_linear_units.restype = ctypes.c_int
                 lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
                 lib.tpguide_sum_units.restype = None
                 lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
-                                                  _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr, _ptr, _i64)
+                                                  _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64)
                 lib.tpguide_attention.restype = ctypes.c_int
                 lib.tpguide_attention_scratch_floats.argtypes = (_i64, _i64)
                 lib.tpguide_attention_scratch_floats.restype = _i64
@@ -136,8 +137,20 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_mean_square.restype = None
                 lib.tpguide_unary.argtypes = (_ptr, _i64, _i64, _f32, _ptr, _i64)
                 lib.tpguide_unary.restype = None
+                lib.tpguide_add_rms_norm.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _f32, _ptr, _ptr, _i64)
+                lib.tpguide_add_rms_norm.restype = ctypes.c_int
+                lib.tpguide_act_and_mul.argtypes = (_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64)
+                lib.tpguide_act_and_mul.restype = ctypes.c_int
+                lib.tpguide_rotary.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                               _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64)
+                lib.tpguide_rotary.restype = ctypes.c_int
                 _ISA, _LIB = isa, lib
     return _LIB
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernel library, every function's ``argtypes`` set (compiles it on first call)."""
+    return _LIB or _load()
 
 
 def kernel_isa() -> str:
@@ -216,7 +229,8 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit)
 
 
-def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True) -> torch.Tensor:
+def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ w.T`` in the fixed order (module docstring); rows of ``x`` never influence each other.
 
     Parameters
@@ -228,18 +242,27 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     sum_units : bool
         True: fp32 ``[M, N]``, the units added in unit order.  False: fp32
         ``[U, M, N]``, one partial per unit (the row-parallel all-gather input).
+    out_dtype : torch.dtype
+        ``torch.bfloat16`` (with ``sum_units`` only): each fp32 sum rounded at the
+        store exactly as ``.to(torch.bfloat16)`` (nearest even; NaN stays NaN), the
+        bits of ``linear_fixed_order(x, packed).to(torch.bfloat16)`` without the
+        fp32 tensor (docs/architecture.md §6).
 
     Raises
     ------
     ValueError
-        ``x``'s width does not match the weight.
+        ``x``'s width does not match the weight, or ``out_dtype`` is not fp32 or
+        bf16 (bf16 with ``sum_units=False``).
     """
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    out_code = DTYPE_CODES.get(out_dtype)
+    if out_code is None or (out_code and not sum_units):
+        raise ValueError(f"out_dtype must be float32, or bfloat16 with sum_units=True, got {out_dtype}")
     lib = _LIB or _load()
     n, u = packed.out_features, packed.num_units
-    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
+    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=out_dtype)
     if m and packed.amx:
         kp = packed.padded_unit_size
         xb = x.to(torch.bfloat16)
@@ -247,13 +270,13 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
             xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
         xb = xb.reshape(m, u * kp).contiguous()
         status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
-                                              out.data_ptr(), int(sum_units), _threads())
+                                              out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units_amx returned {status}"
     elif m:
         xf = x.float().contiguous()
         status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
                                           DTYPE_CODES[packed.panels.dtype], packed.unit_size, u, n,
-                                          out.data_ptr(), int(sum_units), _threads())
+                                          out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units returned {status}"
     return out
 
@@ -270,7 +293,9 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, token_seq_index: torch.Tensor,
                           token_positions: torch.Tensor, scale: float,
                           sliding_window: Optional[int] = None,
-                          logit_softcap: Optional[float] = None) -> torch.Tensor:
+                          logit_softcap: Optional[float] = None,
+                          out_dtype: torch.dtype = torch.float32,
+                          max_seq_len: Optional[int] = None) -> torch.Tensor:
     """Causal attention of each query token over its sequence's cached keys, in the fixed order.
 
     Token ``t`` (query head ``h``, KV head ``h // (H / Hkv)``) of sequence
@@ -302,19 +327,30 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     sliding_window : int, optional
     logit_softcap : float, optional
         Scores become ``cap * tanh(s / cap)`` (Gemma 2).
+    out_dtype : torch.dtype
+        fp32, or bf16: each fp32 output rounded at the store exactly as
+        ``.to(torch.bfloat16)`` (the bits of the fp32 result cast).
+    max_seq_len : int, optional
+        ``max(token_positions) + 1`` when the caller knows it (the step's
+        :attr:`~tpguide.model.attention.AttentionMetadata.max_seq_len`), saving a
+        reduction per layer; too small a value raises the ``ValueError`` below.
 
     Returns
     -------
     torch.Tensor
-        fp32 ``[T, H, D]``.
+        ``[T, H, D]`` of ``out_dtype``.
 
     Raises
     ------
     ValueError
         Mismatched dtypes or shapes, ``D > 512``, a position outside the block
-        table, or a block id outside ``[0, num_blocks)``.
+        table (or not below ``max_seq_len``), a block id outside ``[0, num_blocks)``,
+        or an ``out_dtype`` other than fp32 and bf16.
     """
     code = _dtype_code(q, "q")
+    out_code = DTYPE_CODES.get(out_dtype)
+    if out_code is None:
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     t, h, d = q.shape
     num_blocks, block_size, hkv, dk = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or dk != d or v_cache.shape != k_cache.shape:
@@ -330,20 +366,21 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qc = q.contiguous()
     seq = token_seq_index.to(torch.int64).contiguous()
     pos = token_positions.to(torch.int64).contiguous()
-    out = torch.empty(t, h, d, dtype=torch.float32)
+    out = torch.empty(t, h, d, dtype=out_dtype)
     if not t:
         return out
-    length = int(pos.max()) + 1
+    length = int(pos.max()) + 1 if max_seq_len is None else int(max_seq_len)
     threads = _threads()
     lib = _LIB or _load()
     scratch = torch.empty(threads, lib.tpguide_attention_scratch_floats(length, d), dtype=torch.float32)
     status = lib.tpguide_attention(
         qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, tables.data_ptr(), num_seqs, max_blocks,
         block_size, num_blocks, seq.data_ptr(), pos.data_ptr(), t, h, hkv, d, length, float(scale),
-        int(sliding_window or 0), float(logit_softcap or 0.0), scratch.data_ptr(), out.data_ptr(), threads)
+        int(sliding_window or 0), float(logit_softcap or 0.0), scratch.data_ptr(), out.data_ptr(), out_code, threads)
     if status != 0:
-        raise ValueError(f"token positions must lie in [0, {max_blocks * block_size}) (max_blocks={max_blocks} x "
-                         f"block_size={block_size}) and read blocks in [0, {num_blocks}), and token_seq_index in "
+        raise ValueError(f"token positions must lie in [0, {min(max_blocks * block_size, length)}) (max_blocks="
+                         f"{max_blocks} x block_size={block_size}, max_seq_len={length}) and read blocks in "
+                         f"[0, {num_blocks}), and token_seq_index in "
                          f"[0, {num_seqs}); got positions {pos.tolist()}, sequences {seq.tolist()}")
     return out
 

@@ -34,6 +34,10 @@ fixed-order C kernel instead
 token reads only its own sequence's cached keys, in key order, so its output
 does not depend on the other sequences of the batch, on the padding to
 ``max_seq_len``, on how the prompt was chunked, or on the thread count.
+There :meth:`Attention.forward_rotary` also applies RoPE to q and k and
+writes k and v into the cache in one kernel
+(:func:`tpguide.kernels.fused_cpu.rotary_fixed_order`), and the attention
+kernel stores its output in the model dtype (docs/architecture.md §6).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import attention_fixed_order
+from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, attention_fixed_order
+from tpguide.kernels.fused_cpu import rotary_fixed_order
 
 
 @dataclass(frozen=True)
@@ -275,12 +280,8 @@ class Attention(nn.Module):
         torch.Tensor
             ``[T, num_heads * head_dim]``.
         """
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_blocks, block_size)")
-        num_blocks, block_size = self.k_cache.shape[:2]
-        if meta.max_seq_len > meta.block_tables.size(1) * block_size:
-            raise ValueError(f"sequence length {meta.max_seq_len} exceeds its block tables' "
-                             f"{meta.block_tables.size(1)} blocks x {block_size} tokens")
+        block_size = self._check_cache(meta)
+        num_blocks = self.k_cache.size(0)
         seq, qi = meta.token_seq_index, meta.token_query_index  # [T], [T]
         flat_k = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
@@ -288,9 +289,7 @@ class Attention(nn.Module):
         flat_k[rows] = k
         flat_v[rows] = v
         if self.fixed_order and not q.is_cuda:
-            out = attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables, seq, meta.token_positions,
-                                        self.scale, self.sliding_window, self.logit_softcap)  # fp32 [T, H, D]
-            return out.to(q.dtype).flatten(1)
+            return self._attend_fixed_order(q, meta)
 
         num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
         if max_q == 1:  # decode only: one token per sequence, already in sequence order
@@ -316,6 +315,59 @@ class Attention(nn.Module):
         if max_q == 1:  # decode: row s is token s
             return out.reshape(num_seqs, self.num_heads * self.head_dim)
         out = out.transpose(1, 2)[seq, qi]  # [T, H, D]
+        return out.flatten(1)
+
+    def fuses_rotary(self, q: torch.Tensor) -> bool:
+        """Whether :meth:`forward_rotary` takes ``q``: fixed order, CPU, fp32 or bf16."""
+        return self.fixed_order and q.device.type == "cpu" and q.dtype in DTYPE_CODES
+
+    def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE of q and k, the k/v cache write and attention (fixed-order CPU path, :meth:`fuses_rotary`).
+
+        The bits of ``q, k = rotary(q, k)`` then :meth:`forward`, in two kernels:
+        :func:`~tpguide.kernels.fused_cpu.rotary_fixed_order` (rotates q and k
+        and writes k, v at the tokens' cache rows) and the attention kernel
+        storing ``q``'s dtype.
+
+        Parameters
+        ----------
+        q : ``[T, num_heads, head_dim]``, not yet rotated (any strides, unit last stride).
+        k, v : ``[T, num_kv_heads, head_dim]``, k not yet rotated.
+        cos, sin : ``[T, 1, rotary_dim]`` in ``q``'s dtype (:meth:`~tpguide.model.rotary.RotaryEmbedding.cos_sin`).
+        meta : AttentionMetadata
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, num_heads * head_dim]`` in ``q``'s dtype.
+
+        Raises
+        ------
+        RuntimeError
+            No KV cache allocated.
+        ValueError
+            As :meth:`forward`, or a cache row outside the pool.
+        """
+        block_size = self._check_cache(meta)
+        q, _ = rotary_fixed_order(q, k, cos, sin, v, self.k_cache, self.v_cache, meta.slot_mapping(block_size))
+        return self._attend_fixed_order(q, meta)
+
+    def _check_cache(self, meta: AttentionMetadata) -> int:
+        """The pool's block size; raises as :meth:`forward` without a cache or with too short block tables."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not allocated: call model.allocate_kv_cache(num_blocks, block_size)")
+        block_size = self.k_cache.size(1)
+        if meta.max_seq_len > meta.block_tables.size(1) * block_size:
+            raise ValueError(f"sequence length {meta.max_seq_len} exceeds its block tables' "
+                             f"{meta.block_tables.size(1)} blocks x {block_size} tokens")
+        return block_size
+
+    def _attend_fixed_order(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The fixed-order kernel over the written cache: ``[T, H, D] -> [T, H * D]`` stored in ``q``'s dtype."""
+        out = attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables, meta.token_seq_index,
+                                    meta.token_positions, self.scale, self.sliding_window, self.logit_softcap,
+                                    out_dtype=q.dtype, max_seq_len=meta.max_seq_len)
         return out.flatten(1)
 
     def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
     """Decoder block with norms before and after both the attention and the MLP."""
 
     norm_cls = GemmaRMSNorm
+    carries_residual = False  # its own block structure (module docstring), run through forward
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__(config, group, dtype, layer_idx)

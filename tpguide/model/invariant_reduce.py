@@ -127,14 +127,17 @@ def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: 
     return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=False)
 
 
-def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object) -> torch.Tensor:
-    """fp32 ``[T, O]``: the ``num_units`` units' products added in unit order, without communication.
+def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[T, O]`` of ``out_dtype``: the ``num_units`` units' products added in unit order (fp32), without communication.
 
-    The additions of :func:`sum_units` over :func:`unit_partials` (tp 1, no padded units).
+    The additions of :func:`sum_units` over :func:`unit_partials` (tp 1, no
+    padded units), then one rounding to ``out_dtype`` (on CPU at the kernel's
+    store, the bits of ``.to(out_dtype)``; docs/architecture.md §6).
     """
     if x.is_cuda:
-        return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner))
-    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=True)
+        return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner)).to(out_dtype)
+    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=True, out_dtype=out_dtype)
 
 
 def sum_units_fixed_order_cuda(partials: torch.Tensor) -> torch.Tensor:
@@ -145,18 +148,21 @@ def sum_units_fixed_order_cuda(partials: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``F.linear(x, weight)`` whose columns do not depend on how many rows ``weight`` has, nor on ``x``'s other rows.
 
-    ``x [T, K]``, ``weight [N, K]`` -> fp32 ``[T, N]`` (one rounding from
-    the fp32 accumulation).  CUDA: the fixed-tiling Triton kernel; CPU: the
-    fixed-order C kernel on the weight packed and cached on ``owner``.
+    ``x [T, K]``, ``weight [N, K]`` -> ``[T, N]`` of ``out_dtype`` (one rounding
+    from the fp32 accumulation, then one to ``out_dtype``: on CPU at the
+    kernel's store, the bits of ``.to(out_dtype)``).  CUDA: the fixed-tiling
+    Triton kernel; CPU: the fixed-order C kernel on the weight packed and
+    cached on ``owner``.
     """
     if x.is_cuda:
         from tpguide.kernels.matmul_fixed_tiling_triton import linear_fixed_tiling
 
-        return linear_fixed_tiling(x, weight)
-    return linear_fixed_order(x, packed_weight(owner, weight))
+        return linear_fixed_tiling(x, weight).to(out_dtype)
+    return linear_fixed_order(x, packed_weight(owner, weight), out_dtype=out_dtype)
 
 
 def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> torch.Tensor:

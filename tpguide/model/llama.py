@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpguide.dist import TPGroup
-from tpguide.kernels.fixed_order_cpu import unary_fixed_order
+from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, unary_fixed_order
+from tpguide.kernels.fused_cpu import act_and_mul
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import reduction_block_size
@@ -79,9 +80,16 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``[T, hidden] -> [T, hidden]`` (replicated)."""
+        """``[T, hidden] -> [T, hidden]`` (replicated).
+
+        Fixed-order CPU path: RoPE, the KV-cache write and attention through
+        :meth:`Attention.forward_rotary` (the same bits as the steps below).
+        """
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # q: [T, Hl, D], k/v: [T, Kl, D]
         q, k = self.qk_norm(q, k)
+        if self.attn.fuses_rotary(q):
+            cos, sin = self.rotary_emb.cos_sin(positions, q.dtype)
+            return self.o_proj(self.attn.forward_rotary(q, k, v, cos, sin, meta))
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))  # [T, Hl*D] -> [T, hidden]
 
@@ -107,22 +115,36 @@ class LlamaMLP(nn.Module):
         self.act_name = FIXED_ORDER_ACTIVATIONS[config.hidden_act]
 
     #: Set by a TP-invariant model: on CPU the activation by scalar libm calls
-    #: (:func:`~tpguide.kernels.fixed_order_cpu.unary_fixed_order`), the same for every element.
+    #: (:func:`~tpguide.kernels.fixed_order_cpu.unary_fixed_order`), the same for every element;
+    #: fp32 and bf16 in one pass over the merged output (:func:`~tpguide.kernels.fused_cpu.act_and_mul`,
+    #: vLLM's ``SiluAndMul``), the bits of ``unary_fixed_order(gate).to(dtype) * up``.
     fixed_order: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I/T] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I/T]
+        if self.fixed_order and gate_up.device.type == "cpu" and gate_up.dtype in DTYPE_CODES:
+            return self.down_proj(act_and_mul(gate_up, self.act_name))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I/T] each
         if self.fixed_order and not gate.is_cuda:
             return self.down_proj(unary_fixed_order(gate, self.act_name).to(gate.dtype) * up)
         return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block."""
+    """Pre-norm decoder block.
+
+    :class:`LlamaModel` runs it vLLM-style through :meth:`forward_residual`,
+    carrying the residual stream so that each residual add is fused with the
+    norm after it (:meth:`RMSNorm.forward` with ``residual``); :meth:`forward`
+    is the same block as one function of ``x``.
+    """
 
     attention_cls = LlamaAttention
     norm_cls = RMSNorm
+    #: The layer runs through :meth:`forward_residual` (False: a subclass with another
+    #: block structure, e.g. Gemma 2's four norms, overrides :meth:`forward` only).
+    carries_residual = True
 
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
@@ -132,8 +154,25 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, group, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``[T, hidden] -> [T, hidden]``: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+        hidden, residual = self.forward_residual(positions, x, None, meta)
+        return hidden + residual
+
+    def forward_residual(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with the residual carried (vLLM's decoder layers): ``(mlp_out, residual)``.
+
+        The layer's input is ``hidden + residual`` (``hidden`` alone for the
+        first layer, ``residual`` None); it returns the MLP output and the
+        residual before it, whose sum is the layer's output (:meth:`forward`),
+        the add left to the next norm.  All ``[T, hidden]``, the model dtype.
+        """
+        if residual is None:
+            residual, h = hidden, self.input_layernorm(hidden)
+        else:
+            h, residual = self.input_layernorm(hidden, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -155,9 +194,14 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        if not self.decoder_layer_cls.carries_residual:
+            for layer in self.layers:
+                x = layer(positions, x, meta)
+            return self.norm(x)
+        residual = None
+        for layer in self.layers:  # the residual carried: add + norm in one call (docs/architecture.md §6)
+            x, residual = layer.forward_residual(positions, x, residual, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

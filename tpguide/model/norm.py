@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import mean_square_fixed_order
+from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, mean_square_fixed_order
+from tpguide.kernels.fused_cpu import fused_add_rms_norm
 from tpguide.model.weight_slice import default_weight_loader
 
 
@@ -39,8 +42,22 @@ class RMSNorm(nn.Module):
     #: Set by a TP-invariant model (see :func:`_normalize`).
     fixed_order: bool = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * _normalize(x, self.eps, self.fixed_order).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``x [..., hidden]`` -> ``RMSNorm(x)``; with ``residual`` (``x``'s shape and dtype) vLLM's
+        ``fused_add_rms_norm``: ``(RMSNorm(x + residual), x + residual)``.
+
+        Fixed-order on CPU (fp32 or bf16): one kernel,
+        :func:`~tpguide.kernels.fused_cpu.fused_add_rms_norm`, with the bits of
+        the add and the norm below (docs/architecture.md §6).
+        """
+        if self.fixed_order and x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.dtype == self.weight.dtype:
+            out, h = fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, h)
+        if residual is None:
+            return self.weight * _normalize(x, self.eps, self.fixed_order).to(x.dtype)
+        h = x + residual
+        return self.weight * _normalize(h, self.eps, self.fixed_order).to(h.dtype), h
 
 
 class GemmaRMSNorm(nn.Module):

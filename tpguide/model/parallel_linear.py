@@ -86,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size] -> [T, output_size_per_partition]``."""
         if self.fixed_order:
-            y = invariant_linear(x, self.weight, self).to(x.dtype)
+            y = invariant_linear(x, self.weight, self, x.dtype)  # on CPU stored in x's dtype by the kernel
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -251,11 +251,10 @@ class RowParallelLinear(nn.Module):
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``)."""
         if self.reduction_unit is not None:
             if self.group.tp_size == 1 and self.num_real_units == self.num_local_units:
-                y = units_sum_local(x, self.weight, self.num_local_units, self)  # fp32 [T, O], no communication
+                y = units_sum_local(x, self.weight, self.num_local_units, self, x.dtype)  # [T, O], no communication
             else:
                 partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
-                y = sum_units(partials, self.num_real_units, self.group)  # the one communication point
-            y = y.to(x.dtype)
+                y = sum_units(partials, self.num_real_units, self.group).to(x.dtype)  # the one communication point
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:

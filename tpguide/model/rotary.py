@@ -22,7 +22,7 @@ uses the long factors where transformers would use the short ones.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("short_inv_freq", inv_freq.clone(), persistent=False)
             self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         self._cached_positions: Optional[torch.Tensor] = None  # the step's positions tensor
-        self._cached_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._cached_cos_sin: Optional[Dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]] = None  # by dtype
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """longrope: long factors iff ``max_model_len > original_max_position_embeddings`` (tokens); else a no-op."""
@@ -69,11 +69,11 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.long_inv_freq if use_long else self.short_inv_freq
             self._cached_positions = self._cached_cos_sin = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[T, 1, Dr]`` of ``dtype`` for int64 ``positions [T]`` (times the attention scaling).
 
-        cos/sin are computed once per step: the layers of one forward pass
-        the same ``positions`` object.
+        Computed in fp32 once per step and cast once per dtype: the layers of
+        one forward pass share the same ``positions`` object.
         """
         if positions is not self._cached_positions or self._cached_cos_sin is None:
             freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dr/2]
@@ -82,10 +82,23 @@ class RotaryEmbedding(nn.Module):
                 cos, sin = emb.cos(), emb.sin()
             else:  # scalar libm per element: a position's table row does not depend on the batch
                 cos, sin = unary_fixed_order(emb, "cos"), unary_fixed_order(emb, "sin")
-            self._cached_cos_sin = ((cos * self.attention_scaling)[:, None, :],  # [T, 1, Dr]
-                                    (sin * self.attention_scaling)[:, None, :])
+            self._cached_cos_sin = {torch.float32: ((cos * self.attention_scaling)[:, None, :],  # [T, 1, Dr]
+                                                    (sin * self.attention_scaling)[:, None, :])}
             self._cached_positions = positions
-        cos, sin = (t.to(q.dtype) for t in self._cached_cos_sin)
+        cached = self._cached_cos_sin.get(dtype)
+        if cached is None:
+            cos, sin = self._cached_cos_sin[torch.float32]
+            cached = self._cached_cos_sin[dtype] = (cos.to(dtype), sin.to(dtype))
+        return cached
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
+
+        The fixed-order CPU path does the same in one kernel
+        (:func:`~tpguide.kernels.fused_cpu.rotary_fixed_order`, called by
+        :meth:`~tpguide.model.attention.Attention.forward_rotary`).
+        """
+        cos, sin = self.cos_sin(positions, q.dtype)
         r = self.rotary_dim
         if r == q.size(-1):
             return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

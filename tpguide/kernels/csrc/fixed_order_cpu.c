@@ -39,6 +39,26 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* fp32 -> bf16 as torch's .to(torch.bfloat16) (c10::detail::round_to_nearest_even): round to
+ * nearest, ties to even; NaN -> 0x7FC0 (a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : rounded; /* a select, not a branch: vectorisable */
+}
+
+/* v rounded to bf16 and widened back: the value a bf16 tensor holds after torch's store. */
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* out[i] = v, rounded to bf16 (as torch's cast) where dtype is 2. */
+static inline void store_elem(void *out, int64_t dtype, int64_t i, float v) {
+    if (dtype == 0)
+        ((float *)out)[i] = v;
+    else
+        ((uint16_t *)out)[i] = f32_to_bf16(v);
+}
+
 /* A tile is rows [0, mr) x the NB columns of one packed panel of one unit, accumulated from 0:
  * acc[r][j] = fma chain over k of x[r][k] * w[k * ldw + j]. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -117,10 +137,19 @@ DEFINE_TILE(tile_f32, float, LOAD_F32)
 DEFINE_TILE(tile_bf16, uint16_t, LOAD_BF16)
 #endif
 
-/* Rows [0, mr) x columns [0, nb) of a tile into out [.., N] at (m0, n0). */
-static inline void store_tile(float (*tile)[NB], float *out, int64_t N, int64_t m0, int64_t n0, int mr, int nb) {
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < nb; j++) out[(m0 + r) * N + n0 + j] = tile[r][j];
+/* Rows [0, mr) x columns [0, nb) of a tile into out [.., N] at (m0, n0), fp32 (out_dtype 0) or
+ * rounded to bf16 (2). */
+static inline void store_tile(float (*tile)[NB], void *out, int64_t out_dtype, int64_t N, int64_t m0, int64_t n0,
+                              int mr, int nb) {
+    if (out_dtype == 0) {
+        float *o = (float *)out;
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = tile[r][j];
+    } else {
+        uint16_t *o = (uint16_t *)out;
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < nb; j++) o[(m0 + r) * N + n0 + j] = f32_to_bf16(tile[r][j]);
+    }
 }
 
 /* A unit's tile is done: stored as its own partial (unit_out = out + u * M * N), or added to the
@@ -128,7 +157,7 @@ static inline void store_tile(float (*tile)[NB], float *out, int64_t N, int64_t 
 static inline void unit_done(float (*acc)[NB], float (*total)[NB], int64_t u, int64_t sum_units, float *unit_out,
                              int64_t N, int64_t m0, int64_t n0, int mr, int nb) {
     if (!sum_units) {
-        store_tile(acc, unit_out, N, m0, n0, mr, nb);
+        store_tile(acc, unit_out, 0, N, m0, n0, mr, nb);
     } else {
         for (int r = 0; r < mr; r++)
             for (int j = 0; j < NB; j++) total[r][j] = u == 0 ? acc[r][j] : total[r][j] + acc[r][j];
@@ -137,11 +166,12 @@ static inline void unit_done(float (*acc)[NB], float (*total)[NB], int64_t u, in
 
 /* x: [M, ldx] fp32 (unit u reads columns [u*K_unit, (u+1)*K_unit)); w: packed panels
  * [U][P = ceil(N / NB)][K_unit][NB] (zero past N), fp32 (w_dtype 0) or bf16 (2); sum_units != 0: out fp32 [M, N] = the units added in order; else out fp32
- * [U, M, N] (one partial per unit).  Returns 0, or -1 for an unknown weight dtype. */
+ * [U, M, N] (one partial per unit).  out_dtype 2 (sum_units only): out bf16 [M, N], each fp32 sum
+ * rounded as torch's cast.  Returns 0, or -1 for an unknown weight or output dtype. */
 int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, int64_t w_dtype,
-                         int64_t K_unit, int64_t U, int64_t N, float *out, int64_t sum_units,
+                         int64_t K_unit, int64_t U, int64_t N, void *out, int64_t out_dtype, int64_t sum_units,
                          int64_t num_threads) {
-    if (w_dtype != 0 && w_dtype != 2) return -1;
+    if ((w_dtype != 0 && w_dtype != 2) || (out_dtype != 0 && (out_dtype != 2 || !sum_units))) return -1;
     const int64_t P = (N + NB - 1) / NB;
     const int64_t R = (M + MR - 1) / MR;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
@@ -161,9 +191,10 @@ int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, 
                     tile_f32(mr, xu, ldx, (const float *)w + off, NB, K_unit, NB, acc);
                 else
                     tile_bf16(mr, xu, ldx, (const uint16_t *)w + off, NB, K_unit, NB, acc);
-                unit_done(acc, total, u, sum_units, sum_units ? out : out + u * M * N, N, m0, n0, mr, nb);
+                unit_done(acc, total, u, sum_units, sum_units ? (float *)out : (float *)out + u * M * N, N, m0, n0,
+                          mr, nb);
             }
-            if (sum_units) store_tile(total, out, N, m0, n0, mr, nb);
+            if (sum_units) store_tile(total, out, out_dtype, N, m0, n0, mr, nb);
         }
     }
     return 0;
@@ -484,8 +515,8 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
                       const int64_t *block_tables, int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                       int64_t num_blocks, const int64_t *token_seq, const int64_t *token_pos, int64_t T, int64_t H,
                       int64_t Hkv, int64_t D, int64_t L, float scale, int64_t window, float softcap, float *scratch,
-                      float *out, int64_t num_threads) {
-    if ((dtype != 0 && dtype != 2) || D > MAX_HEAD_DIM || H % Hkv || H / Hkv > MAX_ROWS || block_size < 1) return -1;
+                      void *out, int64_t out_dtype, int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || (out_dtype != 0 && out_dtype != 2) || D > MAX_HEAD_DIM || H % Hkv || H / Hkv > MAX_ROWS || block_size < 1) return -1;
     for (int64_t t = 0; t < T; t++)
         if (token_seq[t] < 0 || token_seq[t] >= num_seqs || token_pos[t] < 0 || token_pos[t] >= L ||
             token_pos[t] >= max_blocks * block_size)
@@ -575,8 +606,8 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
                 }
                 for (int r = 0; r < rb; r++) {
                     const int64_t t = t0 + (r0 + r) / group, h = kvh * group + (r0 + r) % group;
-                    float *dst = out + (t * H + h) * D;
-                    for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] / inv_l[r];
+                    const int64_t base = (t * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) store_elem(out, out_dtype, base + d, o[r * D + d] / inv_l[r]);
                 }
             }
         }
@@ -598,8 +629,18 @@ void tpguide_mean_square(const float *x, int64_t T, int64_t D, float *mean_squar
  * value does not depend on where it sits in the tensor, on the tensor's size or on the thread split.
  * op 0: silu (silu_fixed: the pure-arithmetic exp, vectorised with the same bits); 1: tanh-GELU 0.5 x (1 + tanhf(sqrt(2/pi) (x + 0.044715 x^3)));
  * 2: soft-cap c * tanhf(x / c); 3: cosf; 4: sinf.  x, out fp32 [n]. */
-void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *out, int64_t num_threads) {
+/* One element of tpguide_unary's ops 1-4 (scalar libm calls only). */
+static inline float unary_scalar(float v, int64_t op, float param) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    switch (op) {
+    case 1: return 0.5f * v * (1.0f + tanhf(beta * (v + kappa * (v * v * v))));
+    case 2: return param * tanhf(v / param);
+    case 3: return cosf(v);
+    default: return sinf(v);
+    }
+}
+
+void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *out, int64_t num_threads) {
     if (op == 0) {
         const int64_t chunk = 4096, C = (n + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -607,17 +648,158 @@ void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *ou
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i];
-        float r;
-        switch (op) {
-        case 1: r = 0.5f * v * (1.0f + tanhf(beta * (v + kappa * (v * v * v)))); break;
-        case 2: r = param * tanhf(v / param); break;
-        case 3: r = cosf(v); break;
-        default: r = sinf(v); break;
+    for (int64_t i = 0; i < n; i++) out[i] = unary_scalar(x[i], op, param);
+}
+
+/* ---- Fused element-wise kernels of the decoder step (docs/architecture.md §6).  Each reproduces,
+ * bit for bit, the torch expression it replaces: the same fp32 operations in the same order, and
+ * in bf16 (dtype 2) a rounding to bf16 (round_bf16 / f32_to_bf16) wherever torch stores a bf16
+ * tensor.  Rows are independent, one row per thread. ---- */
+
+/* Residual add + RMS norm (vLLM's fused_add_rms_norm).  x, residual (may be NULL), out,
+ * residual_out: [T, D] of dtype; weight [D] of dtype.  Per row:
+ *   h = x + residual (bf16: rounded; without residual h = x), residual_out = h (if not NULL),
+ *   ms = dot_fixed(h, h) / D (tpguide_mean_square), r = 1 / sqrtf(ms + eps) (torch.rsqrt),
+ *   out = w * (h * r), the product h * r rounded to bf16 first in bf16 mode (RMSNorm's .to(dtype)).
+ * Returns 0, or -1 for an unknown dtype or out of memory. */
+int tpguide_add_rms_norm(const void *x, const void *residual, const void *weight, int64_t dtype, int64_t T,
+                         int64_t D, float eps, void *out, void *residual_out, int64_t num_threads) {
+    if (dtype != 0 && dtype != 2) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *h = (float *)malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+        if (!h) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            if (!h) continue;
+            const int64_t base = t * D;
+            /* dtype-specialised loops (no per-element dtype test), so the compiler vectorises them */
+            if (dtype == 0) {
+                const float *restrict res = residual ? (const float *)residual + base : NULL;
+                float *restrict o = (float *)out + base;
+                const float *restrict w = (const float *)weight;
+                load_row((const float *)x + base, 0, D, h);
+                if (residual)
+                    for (int64_t d = 0; d < D; d++) h[d] = h[d] + res[d];
+                if (residual_out) memcpy((float *)residual_out + base, h, sizeof(float) * (size_t)D);
+                const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
+                for (int64_t d = 0; d < D; d++) o[d] = w[d] * (h[d] * r);
+            } else {
+                const uint16_t *restrict res = residual ? (const uint16_t *)residual + base : NULL;
+                uint16_t *restrict o = (uint16_t *)out + base;
+                const uint16_t *restrict w = (const uint16_t *)weight;
+                load_row((const uint16_t *)x + base, 2, D, h);
+                if (residual)
+                    for (int64_t d = 0; d < D; d++) h[d] = round_bf16(h[d] + bf16_to_f32(res[d]));
+                if (residual_out) {
+                    uint16_t *restrict ro = (uint16_t *)residual_out + base;
+                    for (int64_t d = 0; d < D; d++) ro[d] = f32_to_bf16(h[d]);
+                }
+                const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
+                for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(h[d] * r));
+            }
         }
-        out[i] = r;
+        free(h);
     }
+    return failed ? -1 : 0;
+}
+
+/* Gated activation of a merged [T, 2I] gate/up row (vLLM's SiluAndMul; GeGLU): gate = columns
+ * [0, I), up = [I, 2I) of each row of x (row stride ldx); out [T, I]:
+ *   out = act(gate) * up, act(gate) rounded to bf16 first in bf16 mode
+ *   (unary_fixed_order(gate, op).to(dtype) * up).
+ * op 0: SiLU (silu_array, the bits of tpguide_unary op 0); 1: tanh-GELU (tpguide_unary op 1).
+ * Returns 0, or -1 for an unknown dtype or op, or out of memory. */
+int tpguide_act_and_mul(const void *x, int64_t ldx, int64_t dtype, int64_t T, int64_t I, int64_t op, void *out,
+                        int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || (op != 0 && op != 1)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *g = (float *)malloc(sizeof(float) * (size_t)(2 * I > 0 ? 2 * I : 1));
+        if (!g) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            if (!g) continue;
+            float *a = g + I;
+            const size_t esize = dtype == 0 ? 4 : 2;
+            load_row((const char *)x + t * ldx * esize, dtype, I, g);
+            if (op == 0)
+                silu_array(g, a, 0, I);
+            else
+                for (int64_t i = 0; i < I; i++) a[i] = unary_scalar(g[i], 1, 0.0f);
+            if (dtype == 0) {
+                const float *restrict up = (const float *)x + t * ldx + I;
+                float *restrict o = (float *)out + t * I;
+                for (int64_t i = 0; i < I; i++) o[i] = a[i] * up[i];
+            } else {
+                const uint16_t *restrict up = (const uint16_t *)x + t * ldx + I;
+                uint16_t *restrict o = (uint16_t *)out + t * I;
+                for (int64_t i = 0; i < I; i++) o[i] = f32_to_bf16(round_bf16(a[i]) * bf16_to_f32(up[i]));
+            }
+        }
+        free(g);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One head of rotate-half RoPE (RoFormer; HF Llama's q * cos + rotate_half(q) * sin) on the first R
+ * elements of a D-wide head, the rest copied: for d < R, half = R / 2,
+ *   rot = d < half ? -x[d + half] : x[d - half],  y = x[d] * c[d] + rot * s[d],
+ * each product and the sum rounded to bf16 in bf16 mode (torch's bf16 ops); elements d >= R are copied. */
+static inline void rotate_head(const void *x, int64_t xi, const void *c, const void *s, int64_t ci, int64_t dtype,
+                               int64_t D, int64_t R, void *out, int64_t oi) {
+    const int64_t half = R / 2;
+    if (dtype == 0) { /* two loops without a select on the address, so the compiler vectorises them */
+        const float *restrict xs = (const float *)x + xi, *restrict cs = (const float *)c + ci;
+        const float *restrict ss = (const float *)s + ci;
+        float *restrict o = (float *)out + oi;
+        for (int64_t d = 0; d < half; d++) o[d] = xs[d] * cs[d] + -xs[d + half] * ss[d];
+        for (int64_t d = half; d < R; d++) o[d] = xs[d] * cs[d] + xs[d - half] * ss[d];
+    } else {
+        const uint16_t *restrict xs = (const uint16_t *)x + xi, *restrict cs = (const uint16_t *)c + ci;
+        const uint16_t *restrict ss = (const uint16_t *)s + ci;
+        uint16_t *restrict o = (uint16_t *)out + oi;
+        for (int64_t d = 0; d < half; d++)
+            o[d] = f32_to_bf16(round_bf16(bf16_to_f32(xs[d]) * bf16_to_f32(cs[d])) +
+                               round_bf16(-bf16_to_f32(xs[d + half]) * bf16_to_f32(ss[d])));
+        for (int64_t d = half; d < R; d++)
+            o[d] = f32_to_bf16(round_bf16(bf16_to_f32(xs[d]) * bf16_to_f32(cs[d])) +
+                               round_bf16(bf16_to_f32(xs[d - half]) * bf16_to_f32(ss[d])));
+    }
+    const size_t esize = dtype == 0 ? 4 : 2; /* the pass-through part: a bit copy, as torch.cat */
+    memcpy((char *)out + (oi + R) * esize, (const char *)x + (xi + R) * esize, (size_t)(D - R) * esize);
+}
+
+/* RoPE of q and k in one pass, optionally writing k and v at given rows of a KV cache.
+ * q: [T, H, D] at element strides (q_st, q_sh, 1); k, v: [T, Hkv, D] at (k_st, k_sh, 1), (v_st, v_sh, 1)
+ * (v may be NULL: not copied); cos, sin: [T, R] of dtype (R even, R <= D); q_out: [T, H, D]
+ * contiguous; k_out, v_out: [num_rows, Hkv, D] contiguous, token t's heads at row rows[t]
+ * (rows NULL: row t).  Returns 0, or -1 for an unknown dtype, an odd or too large R, or a row
+ * outside [0, num_rows). */
+int tpguide_rotary(const void *q, int64_t q_st, int64_t q_sh, const void *k, int64_t k_st, int64_t k_sh,
+                   const void *v, int64_t v_st, int64_t v_sh, int64_t dtype, int64_t T, int64_t H, int64_t Hkv,
+                   int64_t D, int64_t R, const void *cos_t, const void *sin_t, void *q_out, void *k_out,
+                   void *v_out, const int64_t *rows, int64_t num_rows, int64_t num_threads) {
+    if ((dtype != 0 && dtype != 2) || R % 2 || R > D || R < 0) return -1;
+    if (rows)
+        for (int64_t t = 0; t < T; t++)
+            if (rows[t] < 0 || rows[t] >= num_rows) return -1;
+    const size_t esize = dtype == 0 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = rows ? rows[t] : t;
+        for (int64_t h = 0; h < H; h++)
+            rotate_head(q, t * q_st + h * q_sh, cos_t, sin_t, t * R, dtype, D, R, q_out, (t * H + h) * D);
+        for (int64_t h = 0; h < Hkv; h++) {
+            rotate_head(k, t * k_st + h * k_sh, cos_t, sin_t, t * R, dtype, D, R, k_out, (row * Hkv + h) * D);
+            if (v) /* a bit copy, as the index_put_ it replaces */
+                memcpy((char *)v_out + (row * Hkv + h) * D * esize, (const char *)v + (t * v_st + h * v_sh) * esize,
+                       (size_t)D * esize);
+        }
+    }
+    return 0;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -692,8 +874,9 @@ static inline __attribute__((always_inline)) void amx_unit(const uint16_t *xu, i
 }
 
 int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
-                             int64_t U, int64_t N, float *out, int64_t sum_units, int64_t num_threads) {
-    if (K_pad % 32) return -1;
+                             int64_t U, int64_t N, void *out, int64_t out_dtype, int64_t sum_units,
+                             int64_t num_threads) {
+    if (K_pad % 32 || (out_dtype != 0 && (out_dtype != 2 || !sum_units))) return -1;
     const int64_t P = (N + NB - 1) / NB;
     const int64_t R = (M + 31) / 32; /* blocks of 32 rows (two A tiles share each B tile) */
 #pragma omp parallel num_threads(num_threads)
@@ -709,15 +892,15 @@ int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const ui
                 const int nb = (int)(N - n0 < NB ? N - n0 : NB);
                 if (configured != rows) { amx_configure(top, bottom); configured = rows; }
                 float acc[16][NB], total[16][NB], acc2[16][NB], total2[16][NB];
-                if (U == 1 && sum_units && nb == NB) { /* one unit, whole panel: the tiles are the output */
-                    float *c = out + m0 * N + n0;
+                if (U == 1 && sum_units && nb == NB && out_dtype == 0) { /* one unit, whole fp32 panel: the tiles are the output */
+                    float *c = (float *)out + m0 * N + n0;
                     amx_unit(x + m0 * ldx, ldx, w + p * K_pad * NB, K_pad, bottom > 0, c, c + 16 * N, N);
                     continue;
                 }
                 for (int64_t u = 0; u < U; u++) {
                     const uint16_t *wu = w + (u * P + p) * K_pad * NB;
                     const uint16_t *xu = x + m0 * ldx + u * K_pad;
-                    float *unit_out = sum_units ? out : out + u * M * N;
+                    float *unit_out = sum_units ? (float *)out : (float *)out + u * M * N;
                     if (bottom > 0) {
                         amx_unit(xu, ldx, wu, K_pad, 1, &acc[0][0], &acc2[0][0], NB);
                         unit_done(acc2, total2, u, sum_units, unit_out, N, m0 + 16, n0, bottom, nb);
@@ -727,8 +910,8 @@ int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const ui
                     unit_done(acc, total, u, sum_units, unit_out, N, m0, n0, top, nb);
                 }
                 if (sum_units) {
-                    store_tile(total, out, N, m0, n0, top, nb);
-                    if (bottom > 0) store_tile(total2, out, N, m0 + 16, n0, bottom, nb);
+                    store_tile(total, out, out_dtype, N, m0, n0, top, nb);
+                    if (bottom > 0) store_tile(total2, out, out_dtype, N, m0 + 16, n0, bottom, nb);
                 }
             }
         }
