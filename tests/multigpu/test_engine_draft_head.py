@@ -78,8 +78,10 @@ def _same(outputs, reference, ids=None):
 def test_perfect_drafter_equals_plain_and_is_accepted(reference, tiny_model_path, tp_size):
     for outputs, stats in run_at_tp_size(run_requests, tp_size, tiny_model_path, PERFECT, GREEDY_IDS):
         _same(outputs, reference, GREEDY_IDS)
-        assert stats.num_drafted > 20, stats
-        assert stats.num_accepted >= 0.9 * stats.num_drafted, stats  # the drafter is the target
+        head_drafted = stats.num_drafted - stats.num_forced_drafted  # grammar drafts (layouts) are guesses
+        head_accepted = stats.num_accepted - stats.num_forced_accepted
+        assert head_drafted > 20, stats
+        assert head_accepted >= 0.9 * head_drafted, stats  # the drafter is the target
 
 
 def test_perfect_drafter_alone_equals_plain(reference, tiny_model_path):
