@@ -141,7 +141,8 @@ def local_contradiction(schema: Any) -> Optional[str]:
                 allowed = member_types if allowed is None else _intersect(allowed, member_types)
         if allowed is not None and not allowed:
             shown = [m.get("type") for m in schema["allOf"] if isinstance(m, dict) and "type" in m]
-            return f"allOf: the types {shown} (and type {schema.get('type')!r}) have no value in common"
+            parent = f" (and type {schema['type']!r})" if "type" in schema else ""
+            return f"allOf: the types {shown}{parent} have no value in common"
     return _forbidden_required(schema)
 
 
