@@ -38,6 +38,7 @@ rank's model shard (and the driver's tokenizer) and builds the engine;
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -192,6 +193,22 @@ def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: b
 
 # ---------------------------------------------------------------------- the engine API
 
+
+def _one_openmp_thread() -> None:
+    """Initializer of the bitmask-fill thread: its torch ops run on one OpenMP thread.
+
+    A parallel torch op there (a verify step's bitmask rows) would start a
+    second OpenMP team, and with more OpenMP threads than cores libgomp stops
+    spinning, so the forward's workers sleep between kernels and each kernel
+    waits for a wake-up (the vLLM fixtures at 2 threads on 2 cores: 15.0 s ->
+    8.8 s).  ``omp_set_num_threads`` sets this thread's value only; torch's
+    ``set_num_threads`` would also change what threads started later inherit.
+    """
+    torch.get_num_threads()  # torch's per-thread lazy init first, so it does not undo the call below
+    omp_set_num_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+    if omp_set_num_threads is not None:  # libgomp / libomp loaded with torch
+        omp_set_num_threads(1)
+
 class Engine:
     """Generation over one TP group.  Build it on every rank with the same arguments.
 
@@ -233,7 +250,7 @@ class Engine:
                 raise ValueError("the driver needs a tokenizer")
             self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
                                  num_blocks)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask", initializer=_one_openmp_thread)
 
     # ------------------------------------------------------------------ driver API
     def add_request(self, request: Request) -> None:
