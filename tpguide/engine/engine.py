@@ -193,7 +193,6 @@ def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: b
 
 # ---------------------------------------------------------------------- the engine API
 
-
 def _one_openmp_thread() -> None:
     """Initializer of the bitmask-fill thread: its torch ops run on one OpenMP thread.
 
@@ -208,6 +207,7 @@ def _one_openmp_thread() -> None:
     omp_set_num_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
     if omp_set_num_threads is not None:  # libgomp / libomp loaded with torch
         omp_set_num_threads(1)
+
 
 class Engine:
     """Generation over one TP group.  Build it on every rank with the same arguments.

@@ -300,10 +300,9 @@ class AutoBackend(GuidedBackend):
             No backend can guarantee ``params``; the message gives each backend's reason.
         """
         key = self.cache_key(params)  # the key is_cached() looks up
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached
         reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
         for name, backend in self._candidates(params).items():
             try:

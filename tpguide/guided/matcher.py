@@ -41,7 +41,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, Union
+from typing import Any, Hashable, Iterable, Optional, Union
 
 import torch
 
@@ -169,10 +169,9 @@ class GuidedBackend(abc.ABC):
             not support (the message says which backend does).
         """
         key = self.cache_key(params)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        cached = self._lookup(key)
+        if cached is not None:
+            return cached
         if params.guide_type not in self.supported_guide_types:
             raise ValueError(
                 f"guide type {params.guide_type!r} is not supported by the {self.name} backend "
@@ -186,13 +185,26 @@ class GuidedBackend(abc.ABC):
         self._remember(key, compiled)
         return compiled
 
-    def _remember(self, key: Hashable, value: Any) -> None:
-        """Put ``value`` in the cache under ``key`` (most recent), evicting the least recently used beyond the size."""
+    def _lookup(self, key: Hashable, cache: Optional[OrderedDict] = None) -> Any:
+        """The entry of ``key`` in ``cache`` (default: the guide cache), made the most recent; None if absent."""
+        cache = self._cache if cache is None else cache
         with self._lock:
-            self._cache[key] = value
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key in cache:
+                cache.move_to_end(key)
+                return cache[key]
+        return None
+
+    def _remember(self, key: Hashable, value: Any, cache: Optional[OrderedDict] = None,
+                  capacity: Optional[int] = None) -> None:
+        """Put ``value`` in ``cache`` (default: the guide cache, ``cache_size`` entries) under ``key`` (most
+        recent), evicting the least recently used beyond ``capacity``."""
+        cache = self._cache if cache is None else cache
+        capacity = self.cache_size if capacity is None else capacity
+        with self._lock:
+            cache[key] = value
+            cache.move_to_end(key)
+            while len(cache) > capacity:
+                cache.popitem(last=False)
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         """True if ``params`` is compiled in the cache (a :meth:`compile` now would be a hit)."""

@@ -227,7 +227,8 @@ class XGrammarBackend(GuidedBackend):
         if params.guide_type not in JSON_GUIDE_TYPES or layout not in JSON_LAYOUTS:
             raise ValueError(f"no {layout!r} JSON layout for a {params.guide_type} guide "
                              f"(layouts: {list(JSON_LAYOUTS)}, JSON guide types: {list(JSON_GUIDE_TYPES)})")
-        cached = self.cached_layout(params, layout)
+        key = (layout,) + params.cache_key(self.json_whitespace)
+        cached = self._lookup(key, self._layouts)
         if cached is not None:
             return cached
         try:
@@ -235,10 +236,7 @@ class XGrammarBackend(GuidedBackend):
                                                          **JSON_LAYOUTS[layout])
         except Exception as exc:  # xgrammar raises RuntimeError
             raise ValueError(f"xgrammar cannot compile the {layout} layout: {_xgrammar_message(exc)}") from exc
-        with self._lock:
-            self._layouts[(layout,) + params.cache_key(self.json_whitespace)] = compiled
-            while len(self._layouts) > len(JSON_LAYOUTS) * self.cache_size:  # least recently used out
-                self._layouts.popitem(last=False)
+        self._remember(key, compiled, self._layouts, len(JSON_LAYOUTS) * self.cache_size)
         return compiled
 
     def cached_layout(self, params: StructuredOutputsParams, layout: str) -> Optional[xgr.CompiledGrammar]:
@@ -247,12 +245,7 @@ class XGrammarBackend(GuidedBackend):
         Layouts have their own LRU cache (``len(JSON_LAYOUTS) * cache_size``
         entries), so they never evict a guide.
         """
-        key = (layout,) + params.cache_key(self.json_whitespace)
-        with self._lock:
-            if key in self._layouts:
-                self._layouts.move_to_end(key)
-                return self._layouts[key]
-        return None
+        return self._lookup((layout,) + params.cache_key(self.json_whitespace), self._layouts)
 
     def _compile_structural_tag(self, guide_text: str) -> xgr.CompiledGrammar:
         tag = json.loads(guide_text)

@@ -31,9 +31,14 @@ from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, UNARY_OPS, library
 ACT_AND_MUL_OPS = ("silu", "gelu_tanh")
 
 
+def takes(t: torch.Tensor) -> bool:
+    """True for a tensor these kernels take: on CPU, float32 or bfloat16."""
+    return t.device.type == "cpu" and t.dtype in DTYPE_CODES
+
+
 def _code(t: torch.Tensor, what: str) -> int:
     code = DTYPE_CODES.get(t.dtype)
-    if code is None or t.device.type != "cpu":
+    if not takes(t):
         raise ValueError(f"{what} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
     return code
 

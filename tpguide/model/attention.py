@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, attention_fixed_order
-from tpguide.kernels.fused_cpu import rotary_fixed_order
+from tpguide.kernels.fixed_order_cpu import attention_fixed_order
+from tpguide.kernels.fused_cpu import rotary_fixed_order, takes
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ class Attention(nn.Module):
 
     def fuses_rotary(self, q: torch.Tensor) -> bool:
         """Whether :meth:`forward_rotary` takes ``q``: fixed order, CPU, fp32 or bf16."""
-        return self.fixed_order and q.device.type == "cpu" and q.dtype in DTYPE_CODES
+        return self.fixed_order and takes(q)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpguide.dist import TPGroup
-from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, unary_fixed_order
-from tpguide.kernels.fused_cpu import act_and_mul
+from tpguide.kernels.fixed_order_cpu import unary_fixed_order
+from tpguide.kernels.fused_cpu import act_and_mul, takes
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import reduction_block_size
@@ -123,7 +123,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * I/T]
-        if self.fixed_order and gate_up.device.type == "cpu" and gate_up.dtype in DTYPE_CODES:
+        if self.fixed_order and takes(gate_up):
             return self.down_proj(act_and_mul(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I/T] each
         if self.fixed_order and not gate.is_cuda:

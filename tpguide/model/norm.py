@@ -7,8 +7,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, mean_square_fixed_order
-from tpguide.kernels.fused_cpu import fused_add_rms_norm
+from tpguide.kernels.fixed_order_cpu import mean_square_fixed_order
+from tpguide.kernels.fused_cpu import fused_add_rms_norm, takes
 from tpguide.model.weight_slice import default_weight_loader
 
 
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
         :func:`~tpguide.kernels.fused_cpu.fused_add_rms_norm`, with the bits of
         the add and the norm below (docs/architecture.md §6).
         """
-        if self.fixed_order and x.device.type == "cpu" and x.dtype in DTYPE_CODES and x.dtype == self.weight.dtype:
+        if self.fixed_order and takes(x) and x.dtype == self.weight.dtype:
             out, h = fused_add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, h)
         if residual is None:
