@@ -51,6 +51,10 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="the plain, fastest mode: library GEMMs and attention and a plain all-reduce, so logits "
                         "(and then tokens) may change with the tp size, the batch, speculation or the threads "
                         "(default: every reduction in a fixed order, see the README's guarantee table)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every step eagerly (vLLM's enforce_eager); by default on CUDA at tp 1 with the "
+                        "TP-invariant model, decode and draft-verify steps replay a CUDA graph per token-count "
+                        "bucket (docs/gpu.md)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads per rank (default: cores // ranks on this node); with the default TP-invariant "
                         "mode the outputs do not depend on it")
@@ -134,7 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         speculative_method=method, grammar_draft=args.grammar_draft,
                         num_speculative_tokens=args.num_speculative_tokens, draft_num_layers=args.draft_num_layers,
                         draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
-                        draft_lens=args.draft_lens)
+                        draft_lens=args.draft_lens, cuda_graphs=args.cuda_graphs)
 
 
 _BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}

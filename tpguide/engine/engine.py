@@ -58,6 +58,7 @@ from tpguide.guided.params import check_whitespace_mode
 from tpguide.model.config import ModelConfig
 from tpguide.worker.protocol import Message, StepResult
 from tpguide.worker.runner import StepRunner
+from tpguide.worker.step_inputs import StepCapacity
 
 __all__ = ["Engine", "EngineConfig", "build_engine", "generate_on_group"]
 
@@ -131,6 +132,10 @@ class EngineConfig:
         translator between the drafter's last layer and the final norm,
         fitted once on built-in calibration text and cached
         (:mod:`tpguide.speculative.draft_lens`); False = the raw early exit.
+    cuda_graphs : bool
+        Replay decode and draft-verify steps as CUDA graphs where supported
+        (CUDA, tp 1, ``tp_invariant``; :mod:`tpguide.worker.cuda_graphs`);
+        False: every step eagerly (vLLM's ``enforce_eager``).  No effect on CPU.
     """
 
     max_num_seqs: int = 16
@@ -152,6 +157,7 @@ class EngineConfig:
     draft_num_layers: Optional[int] = None
     draft_vocab_size: int = 8192
     draft_lens: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_speculative(self.speculative_method, self.num_speculative_tokens, self.grammar_draft)
@@ -175,6 +181,13 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 or None, got {self.grammar_compile_timeout_s}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def step_capacity(config: EngineConfig) -> StepCapacity:
+    """The most one step holds under ``config`` (the runner's persistent buffers grow past it if ever needed)."""
+    blocks = -(-(config.max_model_len + config.num_speculative_tokens) // config.block_size)
+    return StepCapacity(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                        max_blocks_per_seq=blocks, block_size=config.block_size)
 
 
 def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: bool) -> None:
@@ -243,7 +256,8 @@ class Engine:
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
                            getattr(group, "rank", 0))
-        self.runner = StepRunner(model, group, draft_head)
+        self.runner = StepRunner(model, group, draft_head, capacity=step_capacity(config),
+                                 cuda_graphs=config.cuda_graphs)
         self.driver: Optional[Driver] = None
         if group.is_driver:
             if tokenizer is None:

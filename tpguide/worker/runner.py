@@ -16,6 +16,14 @@ plan channel until STOP.
 
 The plan, result and message types are :mod:`tpguide.worker.protocol`; the
 sampler over the group is :mod:`tpguide.worker.group_sampling`.
+
+**On CUDA** (docs/gpu.md "Speed on CUDA: graphs and host syncs") the step's
+inputs go through persistent buffers (:mod:`tpguide.worker.step_inputs`:
+one non-blocking copy from pinned memory), decode and draft-verify steps
+replay a CUDA graph of the forward and the LM head
+(:mod:`tpguide.worker.cuda_graphs`), and the host waits for the device once
+per step, to read the sampled ids (:func:`~tpguide.worker.step_inputs.read_to_host`).
+On CPU the step runs as it always did.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.penalties import apply_penalties_inplace
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
+from tpguide.worker.cuda_graphs import CudaGraphs, graph_buckets, graphs_supported
 from tpguide.worker.group_sampling import compute_prompt_logprobs, sample
 from tpguide.worker.protocol import BitmaskSource, DriverAborted, Message, MessageKind, StepPlan, StepResult
+from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity, read_to_host
 
 __all__ = ["StepRunner", "DriverAborted"]
 
@@ -52,12 +62,36 @@ class StepRunner:
         This rank's drafter (speculative method ``draft-head``).
     """
 
-    def __init__(self, model, group: TPGroup, draft_head=None) -> None:
+    def __init__(self, model, group: TPGroup, draft_head=None, capacity: Optional[StepCapacity] = None,
+                 cuda_graphs: bool = False, static_inputs: Optional[bool] = None) -> None:
         self.model, self.group, self.draft_head = model, group, draft_head
         self.shard = model.vocab_shard
         #: called at the start of every step; ``launch/generate.py`` sets it to
         #: :func:`tpguide.dist.fault_inject.step_fault_hook` when ``TPGUIDE_FAULT_INJECT`` is set (tests only)
         self.on_step: Optional[Callable[[], None]] = None
+        #: the persistent-buffer path (default on CUDA; the CPU path is unchanged)
+        self.static_inputs = group.device.type == "cuda" if static_inputs is None else static_inputs
+        self.buffers: Optional[StepBuffers] = None
+        self.bitmask_buffers: Optional[BitmaskBuffers] = None
+        self.graphs: Optional[CudaGraphs] = None
+        #: why CUDA graphs are off although asked for ("" when on or not asked for)
+        self.graphs_off_reason = ""
+        self._want_graphs = cuda_graphs
+        if self.static_inputs:
+            if capacity is None:
+                raise ValueError("static step inputs need a StepCapacity (the engine's limits)")
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: StepCapacity) -> None:
+        """(Re)build the persistent buffers for ``capacity``, and the graph set over them (dropping old graphs)."""
+        dev = self.group.device
+        self.buffers = StepBuffers(capacity, dev)
+        self.bitmask_buffers = BitmaskBuffers(capacity.max_tokens, self.shard.bitmask_size, self.group.tp_size, dev)
+        self.graphs = None
+        if self._want_graphs:
+            supported, self.graphs_off_reason = graphs_supported(self.model, self.group)
+            if supported:
+                self.graphs = CudaGraphs(self.model, self.buffers, graph_buckets(capacity.max_tokens))
 
     def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSource] = None) -> StepResult:
         """Run one step on this rank (a collective: every rank calls it with the same plan).
@@ -74,6 +108,8 @@ class StepRunner:
         """
         if self.on_step is not None:
             self.on_step()
+        if self.static_inputs:
+            return self._execute_static(plan, bitmask)
         dev = self.group.device
         meta = AttentionMetadata.from_block_tables(plan.block_tables, plan.query_lens, plan.context_lens, device=dev,
                                                    block_size=self.model.kv_block_size)
@@ -88,15 +124,75 @@ class StepRunner:
         if plan.guided:
             self._apply_bitmask(logits, bitmask)
         out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
-        bad = out.bad_rows.cpu().tolist()
+        return self._result(out, logits, prompt)
+
+    def _execute_static(self, plan: StepPlan, bitmask: Optional[BitmaskSource]) -> StepResult:
+        """:meth:`execute` over the persistent buffers: no host sync before the sampled ids are read (docs/gpu.md).
+
+        A step that fits a bucket (and asks no prompt logprobs) replays that
+        bucket's CUDA graph; any other runs the same forward eagerly, unpadded.
+        """
+        num_rows = plan.selected_token_indices.numel()
+        bucket = None
+        if self.graphs is not None and plan.selected_prompt_indices is None:
+            bucket = self.graphs.bucket_for(max(plan.input_ids.numel(), num_rows))
+        prompt = None
+        if bucket is not None:
+            inputs, logits = self.graphs.run(plan, bucket)  # [bucket, V_pad / tp] fp32
+        else:
+            self._fit(plan)
+            inputs = self.buffers.stage(plan)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+            if plan.selected_prompt_indices is not None:  # host reads: prompt-logprob steps are not sync-free
+                prompt = self._prompt_logprobs(hidden, plan)
+            logits = self.model.compute_logits(hidden[inputs.selected])  # [R, V_pad / tp] fp32
+        logits = logits[:num_rows]
+        if plan.sampling.penalties is not None:  # pageable copies: a penalised step waits for them
+            apply_penalties_inplace(logits, plan.sampling.penalties.to(self.group.device),
+                                    self.shard.vocab_start_index)
+        if plan.guided:
+            self._apply_bitmask_static(logits, bitmask)
+        out = sample(logits, inputs.sampling, self.shard, self.group)
+        return self._result(out, logits, prompt)
+
+    def _fit(self, plan: StepPlan) -> None:
+        """Grow the buffers (dropping the graphs) when ``plan`` is larger than they are."""
+        cap = self.buffers.capacity
+        tokens, rows = plan.input_ids.numel(), plan.selected_token_indices.numel()
+        seqs, blocks = len(plan.block_tables), max(len(t) for t in plan.block_tables)
+        if not cap.fits(tokens, rows, seqs, blocks):
+            self._allocate(StepCapacity(max(cap.max_tokens, tokens, rows), max(cap.max_seqs, seqs),
+                                        max(cap.max_blocks_per_seq, blocks), cap.block_size))
+
+    def _result(self, out, logits: torch.Tensor, prompt: Optional[PromptLogprobs]) -> StepResult:
+        """The :class:`StepResult` of sampler output ``out``: its one read to the host (:func:`read_to_host`)."""
+        token_ids, bad_rows, logprobs, top_ids, top_logprobs = read_to_host(
+            [out.token_ids, out.bad_rows, out.logprobs, out.top_logprob_ids, out.top_logprobs])
+        bad = bad_rows.tolist()
         notes: Dict[int, str] = {}
         if any(bad):  # identical on every rank: a collective every rank makes
             from tpguide.worker.faults import describe_bad_rows, nonfinite_ranks
 
             notes = describe_bad_rows(nonfinite_ranks(logits, self.group))
-        return StepResult(token_ids=out.token_ids.cpu().tolist(), logprobs=out.logprobs.cpu(),
-                          top_logprob_ids=out.top_logprob_ids.cpu(), top_logprobs=out.top_logprobs.cpu(),
-                          bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
+        return StepResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprob_ids=top_ids,
+                          top_logprobs=top_logprobs, bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
+
+    def _apply_bitmask_static(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
+        """:meth:`_apply_bitmask` through the persistent bitmask buffers (one non-blocking copy on the driver)."""
+        num_rows = logits.shape[0]
+        buffers, group = self.bitmask_buffers, self.group
+        slices = None
+        if group.is_driver:
+            token_mask, slices = buffers.send(*bitmask())
+            local = slices[0]
+        else:
+            token_mask, local = buffers.receive_views(num_rows)
+        if group.tp_size > 1:
+            C.broadcast_tensor(token_mask, group)
+            local = torch.empty((num_rows, buffers.words), dtype=torch.int32, device=group.device)
+            C.scatter_tensor(local, slices, group)
+        apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
+                                    vocab_start_index=self.shard.vocab_start_index)
 
     def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
         """Receive this rank's token_mask and word slice, apply it to ``logits`` in place."""
