@@ -22,13 +22,13 @@ inputs go through persistent buffers (:mod:`tpguide.worker.step_inputs`:
 one non-blocking copy from pinned memory), decode and draft-verify steps
 replay a CUDA graph of the forward and the LM head
 (:mod:`tpguide.worker.cuda_graphs`), and the host waits for the device once
-per step, to read the sampled ids (:func:`~tpguide.worker.step_inputs.read_to_host`).
+per step, to read the sampled ids (:func:`read_to_host`).
 On CPU the step runs as it always did.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -41,9 +41,9 @@ from tpguide.sampling.prompt_logprobs import PromptLogprobs
 from tpguide.worker.cuda_graphs import CudaGraphs, graph_buckets, graphs_supported
 from tpguide.worker.group_sampling import compute_prompt_logprobs, sample
 from tpguide.worker.protocol import BitmaskSource, DriverAborted, Message, MessageKind, StepPlan, StepResult
-from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity, read_to_host
+from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity
 
-__all__ = ["StepRunner", "DriverAborted"]
+__all__ = ["StepRunner", "DriverAborted", "read_to_host"]
 
 
 #: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
@@ -248,3 +248,27 @@ class StepRunner:
                 raise DriverAborted(f"rank {self.group.tp_rank}: the driver (rank 0) failed between steps "
                                     f"and aborted the group: {message.error}")
             # HEARTBEAT: nothing to do
+
+
+def read_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Copy device tensors to the host with one wait: THE step's one host-device synchronization.
+
+    On CUDA each tensor goes into pinned memory with a non-blocking copy and
+    the host waits once, on an event recorded after the last copy (sync debug
+    mode is lifted for that wait only: it is the allowed one, docs/gpu.md).
+    On CPU the tensors are returned as they are.
+    """
+    if not tensors or not tensors[0].is_cuda:
+        return list(tensors)
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for dst, src in zip(out, tensors):
+        dst.copy_(src, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        done.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    return out

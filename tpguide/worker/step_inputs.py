@@ -35,7 +35,7 @@ Layout (int64 words; ``T`` = ``max_tokens``, ``S`` = ``max_seqs``, ``W`` = ``max
     block_tables       S * W    row-major [S, W]; past a table's end 0
 
 The staging vector is rewritten only after the previous step's result was
-read (that read waits for the device, :func:`read_to_host`), so its last copy
+read (that read waits for the device, :func:`tpguide.worker.runner.read_to_host`), so its last copy
 has finished: no second staging buffer is needed.  The guided bitmask has its
 own buffers (:class:`BitmaskBuffers`): it is filled on the host while the
 forward runs and sent after.
@@ -47,12 +47,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.sampler import SamplingMetadata
 
-__all__ = ["StepCapacity", "StepBuffers", "StepInputs", "BitmaskBuffers", "read_to_host"]
+__all__ = ["StepCapacity", "StepBuffers", "StepInputs", "BitmaskBuffers"]
 
 _TOKEN_SEGMENTS = ("input_ids", "positions", "seq_index", "query_index", "slot_mapping", "selected", "seeds",
                    "sample_positions", "top_k", "temperature_top_p")
@@ -63,21 +64,13 @@ _SEQ_SEGMENTS = ("context_lens", "query_lens", "seq_lens")
 class StepCapacity:
     """The most a step holds: tokens (= sample rows), sequences, KV blocks per sequence.
 
-    Raises
-    ------
-    ValueError
-        A size below 1 or ``block_size < 1``.
+    Checked by :class:`StepBuffers` (built on CUDA only: on CPU this module runs no code).
     """
 
     max_tokens: int
     max_seqs: int
     max_blocks_per_seq: int
     block_size: int
-
-    def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_seqs", "max_blocks_per_seq", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def fits(self, num_tokens: int, num_rows: int, num_seqs: int, max_blocks: int) -> bool:
         """Whether a step of that size fits the buffers."""
@@ -137,12 +130,21 @@ class StepBuffers:
     capacity : StepCapacity
     device : torch.device
         Where the model runs; the staging vector is pinned when it is CUDA.
+
+    Raises
+    ------
+    ValueError
+        A capacity size below 1.
     """
 
     def __init__(self, capacity: StepCapacity, device: torch.device) -> None:
+        for name in ("max_tokens", "max_seqs", "max_blocks_per_seq", "block_size"):
+            if getattr(capacity, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(capacity, name)}")
         self.capacity, self.device = capacity, torch.device(device)
         self.layout, total = _layout(capacity)
         self.host = torch.zeros(total, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._host_np = self.host.numpy()
         self.dev = torch.zeros(total, dtype=torch.int64, device=self.device)
 
     def segment(self, name: str, buffer: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -196,24 +198,28 @@ class StepBuffers:
 
     # ------------------------------------------------------------------ host side
     def _write_host(self, plan, size: int) -> None:
-        """The plan's values into the staging vector, padding up to ``size`` tokens and rows."""
-        cap, host = self.capacity, self.host
-        seg = lambda name: self.segment(name, host)  # noqa: E731
-        q = torch.tensor(plan.query_lens, dtype=torch.int64)
-        ctx = torch.tensor(plan.context_lens, dtype=torch.int64)
-        num_seqs, num_tokens = q.numel(), int(plan.input_ids.numel())
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), q)  # [T]
-        start = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=start[1:])
-        query_index = torch.arange(num_tokens) - start[seq_index]  # [T]
+        """The plan's values into the staging vector, padding up to ``size`` tokens and rows.
+
+        numpy on the staging memory: single-threaded and a few microseconds
+        an op (a torch op here could wake the OpenMP pool for a few hundred integers).
+        """
+        cap = self.capacity
+        seg = self._host_segment
+        q = np.asarray(plan.query_lens, dtype=np.int64)
+        ctx = np.asarray(plan.context_lens, dtype=np.int64)
+        num_seqs, num_tokens = q.size, int(plan.input_ids.numel())
+        seq_index = np.repeat(np.arange(num_seqs, dtype=np.int64), q)  # [T]
+        start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=start[1:])
+        query_index = np.arange(num_tokens, dtype=np.int64) - start[seq_index]  # [T]
         positions = ctx[seq_index] + query_index  # [T]
-        tables = seg("block_tables").view(cap.max_seqs, cap.max_blocks_per_seq)
-        tables.zero_()
+        tables = seg("block_tables").reshape(cap.max_seqs, cap.max_blocks_per_seq)
+        tables[:] = 0
         for s, table in enumerate(plan.block_tables):
-            tables[s, :len(table)] = torch.tensor(table, dtype=torch.int64)
+            tables[s, :len(table)] = table
         bs = cap.block_size
         slots = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
-        for name, value, pad in (("input_ids", plan.input_ids, 0), ("positions", positions, -1),
+        for name, value, pad in (("input_ids", plan.input_ids.numpy(), 0), ("positions", positions, -1),
                                  ("seq_index", seq_index, 0), ("query_index", query_index, 0),
                                  ("slot_mapping", slots, -1)):
             dst = seg(name)
@@ -221,7 +227,7 @@ class StepBuffers:
             dst[num_tokens:size] = pad
         num_rows = plan.selected_token_indices.numel()
         selected = seg("selected")
-        selected[:num_rows] = plan.selected_token_indices
+        selected[:num_rows] = plan.selected_token_indices.numpy()
         selected[num_rows:size] = size - 1 if num_tokens < size else 0  # a padding token when there is one
         self._write_sampling(plan.sampling, num_rows, size)
         seg("query_start_loc")[:num_seqs + 1] = start
@@ -231,17 +237,22 @@ class StepBuffers:
             seg(name)[num_seqs:] = 0
 
     def _write_sampling(self, sampling: SamplingMetadata, num_rows: int, size: int) -> None:
-        seg = lambda name: self.segment(name, self.host)  # noqa: E731
-        floats = seg("temperature_top_p").view(torch.float32)  # [2 * max_tokens]
+        seg = self._host_segment
+        floats = seg("temperature_top_p").view(np.float32)  # [2 * max_tokens]
         t = self.capacity.max_tokens
         for name, value, pad in (("seeds", sampling.seeds, 0), ("sample_positions", sampling.sample_positions, 0),
                                  ("top_k", sampling.top_k, 0)):
-            seg(name)[:num_rows] = value
+            seg(name)[:num_rows] = value.numpy()
             seg(name)[num_rows:size] = pad
-        floats[:num_rows] = sampling.temperature
+        floats[:num_rows] = sampling.temperature.numpy()
         floats[num_rows:size] = 0.0  # greedy
-        floats[t:t + num_rows] = sampling.top_p
+        floats[t:t + num_rows] = sampling.top_p.numpy()
         floats[t + num_rows:t + size] = 1.0
+
+    def _host_segment(self, name: str) -> np.ndarray:
+        """The staging vector's segment ``name`` as a numpy view."""
+        offset, words = self.layout[name]
+        return self._host_np[offset:offset + words]
 
     # ------------------------------------------------------------------ device views
     def _views(self, plan, size: int, num_seqs: int, padded: bool) -> StepInputs:
@@ -356,27 +367,3 @@ class BitmaskBuffers:
         used = self.max_rows + (self.tp_size - 1) * self.max_rows * self.words + num_rows * self.words
         self.dev[:used].copy_(self.host[:used], non_blocking=True)
         return self._parts(self.dev, num_rows)
-
-
-def read_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Copy device tensors to the host with one wait: THE step's one host-device synchronization.
-
-    On CUDA each tensor goes into pinned memory with a non-blocking copy and
-    the host waits once, on an event recorded after the last copy (sync debug
-    mode is lifted for that wait only: it is the allowed one, docs/gpu.md).
-    On CPU the tensors are returned as they are.
-    """
-    if not tensors or not tensors[0].is_cuda:
-        return list(tensors)
-    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for dst, src in zip(out, tensors):
-        dst.copy_(src, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        done.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
-    return out
