@@ -21,8 +21,10 @@ tokenizer of ``--tokenizer-dir``), then for each row count of ``--rows``:
    under ``"error"`` mode;
 5. aborts the requests.
 
-On CUDA every graph bucket is captured before the first row count (timed:
-what capturing at start-up would cost).  Tables are printed last.
+On CUDA the KV pool's allocation is timed alone (freed, the allocator's
+cache emptied, allocated again), then every graph bucket is captured before
+the first row count (timed: what capturing at start-up would cost).  Tables
+are printed last.
 
 Usage::
 
@@ -225,6 +227,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     start = time.perf_counter()
     engine = build_engine(group, model_dir(args), config)
     build_s = time.perf_counter() - start
+    kv_s = time_kv_pool_allocation(engine, config) if on_cuda else None
     graphs = engine.runner.graphs
     capture_s = 0.0
     if graphs is not None:
@@ -233,10 +236,27 @@ def main(argv: Optional[List[str]] = None) -> None:
         capture_s = time.perf_counter() - start
     reports = [run_rows(engine, args, n, i == len(rows) - 1, on_cuda) for i, n in enumerate(rows)]
     engine.shutdown()
-    _print(args, on_cuda, dtype, build_s, capture_s, graphs, engine.runner.graphs_off_reason, reports)
+    _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, engine.runner.graphs_off_reason, reports)
 
 
-def _print(args, on_cuda, dtype, build_s, capture_s, graphs, off_reason, reports) -> None:
+def time_kv_pool_allocation(engine, config) -> float:
+    """Seconds to allocate the engine's KV pool again from an empty cache (cudaMalloc + zeroing).
+
+    Before any graph is captured (graphs hold the pool's addresses) and before any request.
+    """
+    attn = engine.model.model.layers[0].self_attn.attn
+    num_blocks = attn.k_cache.size(0)
+    for layer in engine.model.model.layers:
+        layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = None
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, off_reason, reports) -> None:
     """Everything, tables last."""
     device = torch.cuda.get_device_name() if on_cuda else "CPU"
     graph_note = (f"{len(graphs.graphs)} buckets captured in {capture_s:.2f} s "
@@ -244,6 +264,8 @@ def _print(args, on_cuda, dtype, build_s, capture_s, graphs, off_reason, reports
                   else f"off ({off_reason or '--no-cuda-graphs' if on_cuda else 'CPU'})")
     print(f"device {device}, torch {torch.__version__}, dtype {dtype}, tp_invariant {args.tp_invariant}, "
           f"engine built in {build_s:.2f} s, CUDA graphs: {graph_note}")
+    if kv_s is not None:
+        print(f"KV pool allocation alone (empty cache -> zeroed pool): {kv_s:.3f} s")
     for rep in reports:
         print(f"\n=== {rep['rows']} rows: top {'kernels' if on_cuda else 'host ops'} "
               f"over {args.profile_steps} steps ===\n{rep['table']}")

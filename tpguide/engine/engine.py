@@ -251,20 +251,26 @@ class Engine:
                              f"speculative_method={config.speculative_method!r} and draft_head={draft_head!r}")
         self.model, self.group, self.config = model, group, config
         self.draft_head = draft_head
+        if group.is_driver and tokenizer is None:
+            raise ValueError("the driver needs a tokenizer")
         num_blocks, source = kv_pool_num_blocks(model, group, config)
+        self.driver: Optional[Driver] = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask", initializer=_one_openmp_thread)
+        grammar_tables = None
+        if group.is_driver:
+            self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
+                                 num_blocks)
+            # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
+            # second) are built now, beside the KV pool's allocation, not in the first guided request
+            grammar_tables = self._pool.submit(self.driver.guided_decoder)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
                            getattr(group, "rank", 0))
         self.runner = StepRunner(model, group, draft_head, capacity=step_capacity(config),
                                  cuda_graphs=config.cuda_graphs)
-        self.driver: Optional[Driver] = None
-        if group.is_driver:
-            if tokenizer is None:
-                raise ValueError("the driver needs a tokenizer")
-            self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
-                                 num_blocks)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask", initializer=_one_openmp_thread)
+        if grammar_tables is not None:
+            grammar_tables.result()
 
     # ------------------------------------------------------------------ driver API
     def add_request(self, request: Request) -> None:

@@ -44,7 +44,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, producible_vocab_size
@@ -145,7 +144,13 @@ class LLGuidanceMatcher(GrammarMatcher):
             bitmask[row].copy_(self._stop_bitmask_row)
             return
         self._raise_if_error()
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        words = bitmask[row]  # int32 [bitmask_size]: the matcher writes the row in place through its pointer
+        if bitmask.dtype != torch.int32 or not words.is_cpu or not words.is_contiguous():
+            raise ValueError(f"the bitmask row must be a contiguous int32 CPU row, got {bitmask.dtype} on "
+                             f"{bitmask.device} with strides {tuple(bitmask.stride())}")
+        # llguidance.torch.fill_next_token_bitmask does exactly this, but importing that module
+        # torch.compile-s a function at import time (seconds of dynamo/inductor start-up)
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
         self._raise_if_error()
 
     def is_terminated(self) -> bool:
