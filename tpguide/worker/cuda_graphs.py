@@ -36,7 +36,7 @@ import torch
 
 from tpguide.worker.step_inputs import StepBuffers, StepInputs
 
-__all__ = ["BUCKETS", "graph_buckets", "bucket_for", "graphs_supported", "forward_logits", "CudaGraphs"]
+__all__ = ["BUCKETS", "graph_buckets", "bucket_for", "graphs_supported", "forward_logits", "PaddedEager", "CudaGraphs"]
 
 #: Token counts a graph is captured for (a step pads its tokens up to the next one).
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
@@ -75,8 +75,12 @@ def forward_logits(model, inputs: StepInputs) -> torch.Tensor:
     return model.compute_logits(hidden[inputs.selected])  # [T_pad, V_local] fp32
 
 
-class CudaGraphs:
-    """One captured :func:`forward_logits` per bucket, over ``buffers``.
+class PaddedEager:
+    """A graph step without the graph: ``plan`` staged padded to its bucket, :func:`forward_logits` run eagerly.
+
+    What :class:`CudaGraphs` replays, minus the capture: the same buffers,
+    padding and row selection.  The CPU tests' stand-in for the graphs
+    (with the CUDA code path forced, docs/gpu.md).
 
     Parameters
     ----------
@@ -86,7 +90,12 @@ class CudaGraphs:
     buckets : tuple of int
         Increasing token counts.
     step : callable, optional
-        What is captured (default :func:`forward_logits`).
+        The forward over staged inputs (default :func:`forward_logits`).
+
+    Raises
+    ------
+    ValueError
+        A bucket larger than the buffers.
     """
 
     def __init__(self, model, buffers: StepBuffers, buckets: Tuple[int, ...],
@@ -94,13 +103,26 @@ class CudaGraphs:
         if buckets and buckets[-1] > buffers.capacity.max_tokens:
             raise ValueError(f"bucket {buckets[-1]} exceeds the buffers' {buffers.capacity.max_tokens} tokens")
         self.model, self.buffers, self.buckets, self.step = model, buffers, buckets, step
+
+    def bucket_for(self, num_tokens: int) -> Optional[int]:
+        return bucket_for(num_tokens, self.buckets)
+
+    def run(self, plan, bucket: int) -> Tuple[StepInputs, torch.Tensor]:
+        """Stage ``plan`` padded to ``bucket`` tokens and run the forward: ``(inputs, logits [bucket, V_local])``."""
+        inputs = self.buffers.stage(plan, bucket)
+        return inputs, self.step(self.model, inputs)
+
+
+class CudaGraphs(PaddedEager):
+    """One captured :func:`forward_logits` per bucket, over ``buffers`` (parameters as :class:`PaddedEager`)."""
+
+    def __init__(self, model, buffers: StepBuffers, buckets: Tuple[int, ...],
+                 step: Callable[[object, StepInputs], torch.Tensor] = forward_logits) -> None:
+        super().__init__(model, buffers, buckets, step)
         self.graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         #: host seconds each capture took (warm-up run included), by bucket
         self.capture_seconds: Dict[int, float] = {}
         self._pool = None
-
-    def bucket_for(self, num_tokens: int) -> Optional[int]:
-        return bucket_for(num_tokens, self.buckets)
 
     def run(self, plan, bucket: int) -> Tuple[StepInputs, torch.Tensor]:
         """Stage ``plan`` padded to ``bucket`` tokens and replay that bucket's graph (capturing it first if new).
@@ -130,7 +152,8 @@ class CudaGraphs:
         # during the capture, so their computation is recorded in the graph
         inputs = self.buffers.padding_views(bucket)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the bitmask-fill and compile threads keep running during a lazy capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.step(self.model, inputs)
         if self._pool is None:
             self._pool = graph.pool()

@@ -38,7 +38,7 @@ from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.penalties import apply_penalties_inplace
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
-from tpguide.worker.cuda_graphs import CudaGraphs, graph_buckets, graphs_supported
+from tpguide.worker.cuda_graphs import CudaGraphs, PaddedEager, graph_buckets, graphs_supported
 from tpguide.worker.group_sampling import compute_prompt_logprobs, sample
 from tpguide.worker.protocol import BitmaskSource, DriverAborted, Message, MessageKind, StepPlan, StepResult
 from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity
@@ -73,7 +73,7 @@ class StepRunner:
         self.static_inputs = group.device.type == "cuda" if static_inputs is None else static_inputs
         self.buffers: Optional[StepBuffers] = None
         self.bitmask_buffers: Optional[BitmaskBuffers] = None
-        self.graphs: Optional[CudaGraphs] = None
+        self.graphs: Optional[PaddedEager] = None  # CudaGraphs on CUDA; tests may set a PaddedEager
         #: why CUDA graphs are off although asked for ("" when on or not asked for)
         self.graphs_off_reason = ""
         self._want_graphs = cuda_graphs

@@ -58,6 +58,8 @@ __all__ = ["StepCapacity", "StepBuffers", "StepInputs", "BitmaskBuffers"]
 _TOKEN_SEGMENTS = ("input_ids", "positions", "seq_index", "query_index", "slot_mapping", "selected", "seeds",
                    "sample_positions", "top_k", "temperature_top_p")
 _SEQ_SEGMENTS = ("context_lens", "query_lens", "seq_lens")
+#: Whether AttentionMetadata still takes its SDPA mask as a constructor field (it is lazy on the CUDA path's side).
+_MASK_IS_A_FIELD = any(f.name == "attn_mask" and f.init for f in dataclasses.fields(AttentionMetadata))
 
 
 @dataclass(frozen=True)
@@ -288,14 +290,16 @@ class StepBuffers:
         """An AttentionMetadata of views: ``size`` tokens, ``num_seqs`` sequences, tables ``table_width`` wide."""
         cap, seg = self.capacity, self.segment
         tables = seg("block_tables").view(cap.max_seqs, cap.max_blocks_per_seq)[:num_seqs, :table_width]
-        meta = AttentionMetadata(
+        fields = dict(
             block_tables=tables, query_start_loc=seg("query_start_loc")[:num_seqs + 1],
             context_lens=seg("context_lens")[:num_seqs], query_lens=seg("query_lens")[:num_seqs],
             seq_lens=seg("seq_lens")[:num_seqs], token_seq_index=seg("seq_index")[:size],
             token_query_index=seg("query_index")[:size], token_positions=seg("positions")[:size],
             max_query_len=max_query_len, max_seq_len=max_seq_len,
-            attn_mask=torch.empty(0, dtype=torch.bool, device=self.device),  # SDPA-only: not built here
         )
+        if _MASK_IS_A_FIELD:  # before the SDPA mask became lazy: a placeholder, never read on these paths
+            fields["attn_mask"] = torch.empty(0, dtype=torch.bool, device=self.device)
+        meta = AttentionMetadata(**fields)
         meta._derived[("write", cap.block_size)] = seg("slot_mapping")[:size]  # staged: padding -1, not derived
         return meta
 
