@@ -309,11 +309,13 @@ def _device_sampling(host: SamplingMetadata, tensors: Dict[str, torch.Tensor]) -
 
     Those checks read the values (``bool(t.all())``: a host sync per check on
     CUDA); the driver already ran them on the plan's host copy, and the views
-    hold the same values.
+    hold the same values.  Where :class:`SamplingMetadata` keeps a host copy
+    (its ``host`` field: the sampler's decisions read it, not the device), it is ``host``.
     """
     meta = object.__new__(SamplingMetadata)
     for f in dataclasses.fields(SamplingMetadata):
-        object.__setattr__(meta, f.name, tensors.get(f.name, getattr(host, f.name)))
+        value = host if f.name == "host" else tensors.get(f.name, getattr(host, f.name))
+        object.__setattr__(meta, f.name, value)
     return meta
 
 
