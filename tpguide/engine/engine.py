@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +270,11 @@ class Engine:
                            getattr(group, "rank", 0))
         self.runner = StepRunner(model, group, draft_head, capacity=step_capacity(config),
                                  cuda_graphs=config.cuda_graphs)
+        if group.is_driver and group.device.type == "cuda":
+            graphs = self.runner.graphs
+            state = (f"on (buckets up to {graphs.buckets[-1]} tokens, each captured on first use)" if graphs
+                     else f"off ({self.runner.graphs_off_reason or '--no-cuda-graphs'})")
+            print(f"[rank {getattr(group, 'rank', 0)}] CUDA graphs: {state}", file=sys.stderr, flush=True)
         if grammar_tables is not None:
             grammar_tables.result()
 
