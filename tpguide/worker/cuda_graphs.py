@@ -152,9 +152,17 @@ class CudaGraphs(PaddedEager):
         # during the capture, so their computation is recorded in the graph
         inputs = self.buffers.padding_views(bucket)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the bitmask-fill and compile threads keep running during a lazy capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.step(self.model, inputs)
+        # capture_begin/end rather than torch.cuda.graph(): that context also synchronizes, runs gc.collect()
+        # and empties the allocator's cache at every capture (a full collection of the driver's heap, for
+        # nothing; vLLM patches gc.collect out of its captures for the same reason).  thread_local: the
+        # bitmask-fill and compile threads keep running during a lazy capture.
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits = self.step(self.model, inputs)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[bucket] = (graph, logits)

@@ -271,4 +271,4 @@ def read_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         done.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-    return out
+    return [t.clone() for t in out]  # pageable copies: the pinned blocks go back to the allocator at once
