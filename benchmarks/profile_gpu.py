@@ -209,6 +209,8 @@ def run_rows(engine, args, rows: int, last: bool, on_cuda: bool) -> Dict[str, ob
         report["syncs"] = syncs_in_one_step(engine)
         if last:
             report["error_mode"] = error_mode_step(engine) or "no sync"
+            if report["error_mode"] != "no sync":  # the step raised half-way: the engine is not used again
+                return report
     for r in requests:
         engine.abort_request(r.request_id)
     while engine.has_unfinished_requests():
@@ -235,7 +237,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         graphs.capture_all()
         capture_s = time.perf_counter() - start
     reports = [run_rows(engine, args, n, i == len(rows) - 1, on_cuda) for i, n in enumerate(rows)]
-    engine.shutdown()
+    if reports[-1]["error_mode"] in ("", "no sync"):
+        engine.shutdown()
     _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, engine.runner.graphs_off_reason, reports)
 
 
