@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpguide.kernels.triton_cast import cast_rne
+
 #: Keys per chunk of the fixed order (the "KV split size").
 BLOCK_N = 32
 
@@ -105,7 +107,7 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(out_ptrs, cast_rne(out, out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
