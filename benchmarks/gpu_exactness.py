@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "launch"))
 
@@ -98,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+ALONE = "each alone vs batched"
+
+
 def variants(base, rows: int, sub_rows: int, alone: int):
     """``(comparison, config, first rows run)`` of each in-process comparison, cheapest first."""
     drafts = base.speculative_method is not None
@@ -109,8 +114,8 @@ def variants(base, rows: int, sub_rows: int, alone: int):
            rows)
     yield ("prefix cache on vs off" if base.enable_prefix_caching else "prefix cache off vs on",
            dataclasses.replace(base, enable_prefix_caching=not base.enable_prefix_caching), rows)
-    if alone > 0:
-        yield f"each of {alone} alone vs batched", dataclasses.replace(base, max_num_seqs=1), alone
+    if alone > 0:  # named in check_set: the rows that fit the time left
+        yield ALONE, dataclasses.replace(base, max_num_seqs=1), alone
 
 
 def tp2_flags(args, config) -> List[str]:
@@ -149,25 +154,29 @@ def check_set(name: str, dicts: List[dict], args, base, started: float) -> List[
     base = dataclasses.replace(base, max_num_seqs=args.max_num_seqs or n)
     table: List[Row] = []
 
-    def over_budget() -> bool:
-        return args.budget_s > 0 and time.perf_counter() - started > args.budget_s
+    def time_left() -> float:
+        return args.budget_s - (time.perf_counter() - started) if args.budget_s > 0 else float("inf")
 
+    if time_left() <= 0:
+        return [Row(name, "reference", n, note=f"skipped: --budget-s {args.budget_s:g} spent")]
     t = time.perf_counter()
     reference, _ = run_engine(args.model, base, dicts, args.max_new_tokens)
-    print(f"[exactness] {name}: reference run of {n} rows in {time.perf_counter() - t:.1f} s", flush=True)
+    ref_s = time.perf_counter() - t
+    print(f"[exactness] {name}: reference run of {n} rows in {ref_s:.1f} s", flush=True)
     bad = invalid_outputs(reference)
-    table.append(Row(name, "reference: guided outputs valid", n, n - len(bad), 0, 0, time.perf_counter() - t,
-                     "; ".join(bad[:3])))
+    table.append(Row(name, "reference: guided outputs valid", n, n - len(bad), 0, 0, ref_s, "; ".join(bad[:3])))
     jobs = list(variants(base, n, args.sub_rows, alone))
-    if args.tp2 == "auto":
-        import torch
-
-        if torch.cuda.device_count() >= 2:
-            jobs.append(("tp 1 vs tp 2 (NCCL)", None, n))
-        else:
-            table.append(Row(name, "tp 1 vs tp 2 (NCCL)", n, note=f"not run: {torch.cuda.device_count()} GPU(s)"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.tp2 == "auto" and gpus >= 2:
+        jobs.append(("tp 1 vs tp 2 (NCCL)", None, n))
     for comparison, config, first in jobs:
-        if over_budget():
+        # estimates: a run of the reference's rows takes about the reference's time; run alone,
+        # each row at most that (its batch's length), so only the rows that fit are run
+        if comparison == ALONE:
+            if time_left() < first * ref_s:
+                first = int(max(time_left(), 0.0) // max(ref_s, 1e-3))
+            comparison = f"each of {first} alone vs batched"
+        if first < 1 or time_left() < ref_s:
             table.append(Row(name, comparison, first, note=f"skipped: --budget-s {args.budget_s:g} spent"))
             continue
         t = time.perf_counter()
@@ -182,6 +191,8 @@ def check_set(name: str, dicts: List[dict], args, base, started: float) -> List[
         table.append(Row(name, comparison, first, same_ids, same_lp, with_lp, time.perf_counter() - t, note))
         print(f"[exactness] {name}: {comparison}: ids {same_ids}/{first}, logprobs {same_lp}/{with_lp} "
               f"({time.perf_counter() - t:.1f} s)", flush=True)
+    if args.tp2 == "auto" and gpus < 2:
+        table.append(Row(name, "tp 1 vs tp 2 (NCCL)", n, note=f"not run: {gpus} GPU(s) visible"))
     return table
 
 
