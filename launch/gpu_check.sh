@@ -6,14 +6,15 @@
 #   2. the CUDA cases of the kernel tests (tests/test_kernels_*.py);
 #   3. the default command, python launch/generate.py (the demo), every guided output checked;
 #   4. the exactness table (benchmarks/gpu_exactness.py: token ids and logprobs);
-#   5. the speed table (benchmarks/bench_gpu.py: against transformers + xgrammar, time to first token).
+#   5. the speed table (benchmarks/bench_gpu.py: against transformers + xgrammar, time to first token);
+#   6. where benchmarks/profile_gpu.py exists: kernel vs host vs idle time of a decode step.
 # Every step has a time limit and runs even if an earlier one failed; the tables and one status line per
 # step are printed last.  Exits 1 if a step failed.  See docs/gpu.md "Running the GPU acceptance".
 #   usage: bash launch/gpu_check.sh [--quick]        (--quick: steps 0-3 only)
 # Environment (defaults):
 #   TPGUIDE_GPU_DIR=.gpu    holds smollm2/ (the exported tokenizer) and vllm_fixtures.jsonl
 #   TPGUIDE_WHEELS=.whl     TPGUIDE_REQUESTS=$TPGUIDE_GPU_DIR/vllm_fixtures.jsonl (else ../shared/bench-data/...)
-#   GPU_CHECK_LIMITS="75 60 170 150"   seconds of steps 2, 3, 4, 5
+#   GPU_CHECK_LIMITS="60 45 150 130 40"   seconds of steps 2, 3, 4, 5, 6
 #   GPU_CHECK_KERNEL_ARGS, GPU_CHECK_DEMO_ARGS, GPU_CHECK_EXACT_ARGS, GPU_CHECK_SPEED_ARGS: extra flags
 #   GPU_CHECK_ALLOW_CPU=1   run without a GPU (a dry run of the plumbing, with tiny settings in the flags)
 set -uo pipefail
@@ -24,7 +25,8 @@ GPU_DIR="${TPGUIDE_GPU_DIR:-.gpu}"
 WHEELS="${TPGUIDE_WHEELS:-.whl}"
 REQUESTS="${TPGUIDE_REQUESTS:-$GPU_DIR/vllm_fixtures.jsonl}"
 [ -f "$REQUESTS" ] || REQUESTS="../shared/bench-data/vllm_fixtures.jsonl"
-read -r LIMIT_KERNELS LIMIT_DEMO LIMIT_EXACT LIMIT_SPEED <<< "${GPU_CHECK_LIMITS:-75 60 170 150}"
+read -r LIMIT_KERNELS LIMIT_DEMO LIMIT_EXACT LIMIT_SPEED LIMIT_PROFILE <<< "${GPU_CHECK_LIMITS:-60 45 150 130 40}"
+LIMIT_PROFILE="${LIMIT_PROFILE:-40}"
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 LOGS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
@@ -101,6 +103,9 @@ if [ "$QUICK" = 0 ]; then
     # shellcheck disable=SC2086
     step speed "$LIMIT_SPEED" "$PY" benchmarks/bench_gpu.py --model "$MODEL" --requests "$REQUESTS" \
         --budget-s $((LIMIT_SPEED - 25)) ${GPU_CHECK_SPEED_ARGS:-}
+    if [ -f benchmarks/profile_gpu.py ]; then
+        step profile "$LIMIT_PROFILE" "$PY" benchmarks/profile_gpu.py --model "$MODEL" --requests "$REQUESTS"
+    fi
 fi
 
 echo
@@ -111,6 +116,7 @@ for table in exact:'^exactness (' speed:'^speed ('; do
     log="$LOGS/${table%%:*}.log"
     [ -f "$log" ] && { echo; sed -n "/${table#*:}/,\$p" "$log"; }
 done
+[ -f "$LOGS/profile.log" ] && { echo; echo "profile (the last lines of benchmarks/profile_gpu.py):"; tail -25 "$LOGS/profile.log"; }
 echo
 printf '%s\n' "${STATUS[@]}"
 say "done; logs in $LOGS"
