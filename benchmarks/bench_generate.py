@@ -47,6 +47,7 @@ import sys
 import time
 from typing import List, Optional
 
+import hf_xgrammar
 import torch
 
 from tpguide.dist import TPGroup
@@ -135,41 +136,16 @@ class GuidanceTimer:
 
 
 # ---------------------------------------------------------------- transformers
-class HFRunner:
-    """transformers ``generate`` with ``xgrammar.contrib.hf.LogitsProcessor``."""
+class HFRunner(hf_xgrammar.HFRunner):
+    """:class:`hf_xgrammar.HFRunner` on this benchmark's chat requests (one JSON schema, any whitespace)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32) -> None:
-        import xgrammar as xgr
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from tpguide.guided import collect_stop_token_ids
-        from tpguide.guided.xgrammar_backend import make_tokenizer_info
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        self.stop_ids = collect_stop_token_ids(self.tokenizer, model_dir)
-        info = make_tokenizer_info(self.tokenizer, self.model.config.vocab_size, self.stop_ids)
-        self.compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=True)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        super().__init__(model_dir, dtype)
+        self.compiled = self.compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True)
 
     def run(self, n: int, max_tokens: int):
-        import xgrammar as xgr
-
-        texts = [self.tokenizer.apply_chat_template(chat_messages(i), add_generation_prompt=True, tokenize=False)
-                 for i in range(n)]
-        batch = self.tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
-        processor = xgr.contrib.hf.LogitsProcessor(self.compiled)  # one per generate() call
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = self.model.generate(**batch, max_new_tokens=max_tokens, do_sample=False,
-                                      logits_processor=[processor], eos_token_id=self.stop_ids,
-                                      pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None)
-        wall = time.perf_counter() - start
-        tokens = []
-        for row in out[:, batch["input_ids"].shape[1]:].tolist():
-            ends = [j for j, t in enumerate(row) if t in self.stop_ids]
-            tokens.append(row[: ends[0] + 1] if ends else row)
-        return tokens, wall
+        """(new token ids per row, wall seconds) of ``n`` requests."""
+        return self.generate([chat_messages(i) for i in range(n)], [self.compiled] * n, max_tokens)
 
 
 # ---------------------------------------------------------------- memory

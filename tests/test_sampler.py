@@ -263,3 +263,19 @@ def test_without_logprobs_tokens_are_unchanged(method):
         without = run(full, replace(meta, return_logprobs=False), tp)
         assert torch.equal(without.token_ids, with_lp.token_ids)
         assert torch.isnan(without.logprobs[~without.bad_rows]).all()
+
+
+def test_device_copy_takes_its_decisions_from_host_data():
+    """``meta.to(device)`` keeps the CPU original: modes and ``K`` never read a device tensor back (no host sync).
+
+    The ``meta`` device has no values at all, so any read of one would raise.
+    """
+    meta = make_meta(4, temperature=[0.0, 1.0, 0.7, 1.0], top_k=[0, 40, 0, 3], top_p=[1.0, 1.0, 0.9, 0.5],
+                     num_logprobs=2)
+    on_device = meta.to("meta")
+    assert on_device.temperature.device.type == "meta" and on_device.on_host is meta
+    assert on_device.to("meta").on_host is meta
+    modes = S.row_modes(on_device, 1000)
+    assert modes.greedy.tolist() == [True, False, False, False] and modes.top_p_on.tolist() == [False, False, True, True]
+    assert S.num_candidates(on_device, 1000) == S.TOP_P_CANDIDATES
+    assert S.num_candidates(make_meta(2, top_k=[40, 7]).to("meta"), 1000) == 40

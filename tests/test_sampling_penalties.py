@@ -68,3 +68,20 @@ def test_find_stop_string_across_tokens(tokenizer):
     assert detok(ids[:first + 1]).endswith("world.") or "world." in detok(ids[:first + 1])
     assert all(c is None for c in cuts[:first]) and cuts[first] == detok(ids).find("world.")
     assert find_stop_string(detok, ids, ["nope"]) is None
+
+
+def test_device_copy_picks_its_shard_from_host_data():
+    """A rank selects its entries from the host copy of the token ids: nothing is read back from the device.
+
+    On the ``meta`` device (no values at all) any read of one would raise; the
+    device copy still gives the dense oracle's bits once moved (here: to the CPU).
+    """
+    pen = build_logit_penalties(ROWS)
+    on_meta = pen.to("meta")
+    assert on_meta.host_token_ids is pen.token_ids and on_meta.to("meta").host_token_ids is pen.token_ids
+    apply_penalties_inplace(torch.zeros(len(ROWS), V // 2, device="meta"), on_meta, V // 2)
+    logits = torch.randn(len(ROWS), V, generator=torch.Generator().manual_seed(1))
+    want = oracle(logits, ROWS)
+    half = logits[:, V // 2:].clone()
+    apply_penalties_inplace(half, pen.to("cpu"), V // 2)
+    assert torch.equal(half, want[:, V // 2:])

@@ -38,6 +38,17 @@ There :meth:`Attention.forward_rotary` also applies RoPE to q and k and
 writes k and v into the cache in one kernel
 (:func:`tpguide.kernels.fused_cpu.rotary_fixed_order`), and the attention
 kernel stores its output in the model dtype (docs/architecture.md §6).
+
+With ``fixed_order`` on the CUDA code path
+(:func:`tpguide.kernels.triton_path.use_triton`) the keys and values are
+written by :func:`~tpguide.kernels.kv_cache_write_triton.write_kv_cache_`
+(slot ``-1``, a padding token, writes nothing) and attention is the Triton
+kernel :func:`~tpguide.kernels.paged_attention_triton.paged_attention_fixed_order`,
+which reads the pool through the block tables: no padded gather, no mask,
+no SDPA, and a token of position ``-1`` gives a zero row (docs/gpu.md,
+"Exactness on CUDA").  That path needs only ``block_tables``,
+``token_seq_index``, ``token_positions`` and :meth:`AttentionMetadata.slot_mapping`;
+the SDPA mask and gather index are built on first use only.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from torch import nn
 
 from tpguide.kernels.fixed_order_cpu import attention_fixed_order
 from tpguide.kernels.fused_cpu import rotary_fixed_order, takes
+from tpguide.kernels.triton_path import use_triton
 
 
 @dataclass(frozen=True)
@@ -78,16 +90,13 @@ class AttentionMetadata:
     token_positions : torch.Tensor
         int64 ``[num_tokens]``: absolute position of each new token,
         ``context_lens[s] + token_query_index`` (the ``positions`` the model takes).
+        A padding token (CUDA path only) has position ``-1``, any valid sequence index.
     max_query_len, max_seq_len : int
-    attn_mask : torch.Tensor
-        bool ``[num_seqs, 1, max_query_len, max_seq_len]``: query ``i`` of
-        sequence ``s`` sees key positions ``<= context_lens[s] + i`` (built once
-        per step, shared by every layer).  Padded query rows keep key 0
-        visible so no row is all-masked; they are dropped after attention.
 
-    Sliding-window masks and the block-size dependent indices are derived on
-    first use and cached (:meth:`sliding_window_mask`, :meth:`slot_mapping`,
-    :meth:`key_index`), so all layers of one step share one.
+    The SDPA mask (:attr:`attn_mask`, :meth:`sliding_window_mask`) and the
+    block-size dependent indices (:meth:`slot_mapping`, :meth:`key_index`)
+    are derived on first use and cached, so all layers of one step share
+    one, and a step on the CUDA path never builds a mask.
     """
 
     block_tables: torch.Tensor
@@ -100,8 +109,16 @@ class AttentionMetadata:
     token_positions: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    attn_mask: torch.Tensor
-    _derived: Dict[object, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _derived: Dict[object, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @property
+    def attn_mask(self) -> torch.Tensor:
+        """bool ``[num_seqs, 1, max_query_len, max_seq_len]``: query ``i`` of sequence ``s`` sees keys ``<= context_lens[s] + i``.
+
+        Built on first use, shared by every layer.  Padded query rows keep
+        key 0 visible so no row is all-masked; they are dropped after attention.
+        """
+        return self._derive("causal", self._causal_mask)
 
     def sliding_window_mask(self, sliding_window: int) -> torch.Tensor:
         """bool ``[num_seqs, 1, max_query_len, max_seq_len]``: :attr:`attn_mask` and ``key > query_pos - window``.
@@ -110,7 +127,7 @@ class AttentionMetadata:
         """
         mask = self._derived.get(sliding_window)
         if mask is None:
-            device = self.attn_mask.device
+            device = self.block_tables.device
             q_idx = torch.arange(self.max_query_len, device=device)  # [Q]
             query_pos = self.context_lens[:, None] + q_idx  # [S, Q]
             key_pos = torch.arange(self.max_seq_len, device=device)  # [K]
@@ -122,7 +139,10 @@ class AttentionMetadata:
         return mask
 
     def slot_mapping(self, block_size: int) -> torch.Tensor:
-        """int64 ``[num_tokens]``: the flat pool row ``block * block_size + offset`` each new token's k/v goes to."""
+        """int64 ``[num_tokens]``: the flat pool row ``block * block_size + offset`` each new token's k/v goes to.
+
+        ``-1`` for a padding token (position ``< 0``): nothing is written.
+        """
         return self._derive(("write", block_size), lambda: self._slot_mapping(block_size))
 
     def key_index(self, block_size: int) -> torch.Tensor:
@@ -135,8 +155,15 @@ class AttentionMetadata:
         return self._derived[key]
 
     def _slot_mapping(self, block_size: int) -> torch.Tensor:
-        pos = self.token_positions
-        return self.block_tables[self.token_seq_index, pos // block_size] * block_size + pos % block_size  # [T]
+        pos = self.token_positions.clamp(min=0)
+        slots = self.block_tables[self.token_seq_index, pos // block_size] * block_size + pos % block_size  # [T]
+        return torch.where(self.token_positions < 0, -1, slots)
+
+    def _causal_mask(self) -> torch.Tensor:
+        device = self.block_tables.device
+        key_pos = torch.arange(self.max_seq_len, device=device)  # [K]
+        query_pos = self.context_lens[:, None] + torch.arange(self.max_query_len, device=device)  # [S, Q]
+        return (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [S, 1, Q, K]
 
     def _key_index(self, block_size: int) -> torch.Tensor:
         j = torch.arange(self.max_seq_len, device=self.block_tables.device)  # [K]
@@ -214,10 +241,6 @@ class AttentionMetadata:
         seq_index = torch.repeat_interleave(torch.arange(n), q)  # [T]
         query_index = torch.arange(int(start[-1])) - start[seq_index]  # [T]
         to = dict(device=device)
-        max_q, max_s = int(q.max()), int((ctx + q).max())
-        key_pos = torch.arange(max_s)  # [K]
-        query_pos = ctx[:, None] + torch.arange(max_q)  # [S, Q]
-        attn_mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [S, 1, Q, K]
         return cls(
             block_tables=tables.to(**to),
             query_start_loc=start.to(**to),
@@ -227,9 +250,8 @@ class AttentionMetadata:
             token_seq_index=seq_index.to(**to),
             token_query_index=query_index.to(**to),
             token_positions=(ctx[seq_index] + query_index).to(**to),
-            max_query_len=max_q,
-            max_seq_len=max_s,
-            attn_mask=attn_mask.to(**to),
+            max_query_len=int(q.max()),  # host tensors: no device sync
+            max_seq_len=int((ctx + q).max()),
         )
 
 
@@ -286,9 +308,17 @@ class Attention(nn.Module):
         flat_k = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         rows = meta.slot_mapping(block_size)  # [T]
+        if self.fixed_order and use_triton(q):  # the CUDA path (module docstring)
+            from tpguide.kernels.kv_cache_write_triton import write_kv_cache_
+            from tpguide.kernels.paged_attention_triton import paged_attention_fixed_order
+
+            write_kv_cache_(k, v, self.k_cache, self.v_cache, rows)
+            return paged_attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables,
+                                               meta.token_seq_index, meta.token_positions, self.scale,
+                                               self.sliding_window, self.logit_softcap).flatten(1)
         flat_k[rows] = k
         flat_v[rows] = v
-        if self.fixed_order and not q.is_cuda:
+        if self.fixed_order:
             return self._attend_fixed_order(q, meta)
 
         num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
@@ -318,8 +348,8 @@ class Attention(nn.Module):
         return out.flatten(1)
 
     def fuses_rotary(self, q: torch.Tensor) -> bool:
-        """Whether :meth:`forward_rotary` takes ``q``: fixed order, CPU, fp32 or bf16."""
-        return self.fixed_order and takes(q)
+        """Whether :meth:`forward_rotary` takes ``q``: fixed order, CPU, fp32 or bf16, not the CUDA path."""
+        return self.fixed_order and takes(q) and not use_triton(q)
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

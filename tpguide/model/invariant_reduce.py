@@ -32,7 +32,8 @@ per call or the thread count (docs/architecture.md §6, "Fixed-order reductions"
 * CPU: the fixed-order C kernels (:mod:`tpguide.kernels.fixed_order_cpu`)
   on weights packed once per layer (:func:`packed_weight`);
 * CUDA: the fixed-tiling Triton kernel
-  (:mod:`tpguide.kernels.matmul_fixed_tiling_triton`).
+  (:mod:`tpguide.kernels.matmul_fixed_tiling_triton`), chosen by
+  :func:`tpguide.kernels.triton_path.use_triton` (docs/gpu.md, "Exactness on CUDA").
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from tpguide.kernels.fixed_order_cpu import (
     pack_weight,
     sum_units_fixed_order,
 )
+from tpguide.kernels.triton_path import use_triton
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -117,7 +119,7 @@ def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: 
     torch.Tensor
         fp32 ``[U_local, T, O]``: ``out[u] = x[:, u*B:(u+1)*B] @ weight[:, u*B:(u+1)*B].T``.
     """
-    if x.is_cuda:
+    if use_triton(x):
         from tpguide.kernels.matmul_fixed_tiling_triton import bmm_fixed_tiling
 
         block = x.shape[1] // num_units
@@ -135,7 +137,7 @@ def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner
     padded units), then one rounding to ``out_dtype`` (on CPU at the kernel's
     store, the bits of ``.to(out_dtype)``; docs/architecture.md §6).
     """
-    if x.is_cuda:
+    if use_triton(x):
         return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner)).to(out_dtype)
     return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=True, out_dtype=out_dtype)
 
@@ -158,7 +160,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
     Triton kernel; CPU: the fixed-order C kernel on the weight packed and
     cached on ``owner``.
     """
-    if x.is_cuda:
+    if use_triton(x):
         from tpguide.kernels.matmul_fixed_tiling_triton import linear_fixed_tiling
 
         return linear_fixed_tiling(x, weight).to(out_dtype)
@@ -185,6 +187,6 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> to
     """
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
-    if real.is_cuda:
+    if use_triton(real):
         return sum_units_fixed_order_cuda(real)
     return sum_units_fixed_order(real)  # [T, O], unit order

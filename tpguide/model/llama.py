@@ -30,6 +30,7 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
 from tpguide.kernels.fused_cpu import act_and_mul, takes
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import reduction_block_size
@@ -123,7 +124,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * I/T]
-        if self.fixed_order and takes(gate_up):
+        if self.fixed_order and takes(gate_up) and not use_triton(gate_up):
             return self.down_proj(act_and_mul(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I/T] each
         if self.fixed_order and not gate.is_cuda:

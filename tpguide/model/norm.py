@@ -9,6 +9,7 @@ from torch import nn
 
 from tpguide.kernels.fixed_order_cpu import mean_square_fixed_order
 from tpguide.kernels.fused_cpu import fused_add_rms_norm, takes
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.weight_slice import default_weight_loader
 
 
@@ -49,8 +50,15 @@ class RMSNorm(nn.Module):
 
         Fixed-order on CPU (fp32 or bf16): one kernel,
         :func:`~tpguide.kernels.fused_cpu.fused_add_rms_norm`, with the bits of
-        the add and the norm below (docs/architecture.md §6).
+        the add and the norm below (docs/architecture.md §6).  Fixed-order on
+        the CUDA path: :func:`~tpguide.kernels.rms_norm_triton.rms_norm_triton`,
+        one program per row (docs/gpu.md, "Exactness on CUDA").
         """
+        if self.fixed_order and x.dtype == self.weight.dtype and use_triton(x):
+            from tpguide.kernels.rms_norm_triton import rms_norm_triton
+
+            out, h = rms_norm_triton(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, h)
         if self.fixed_order and takes(x) and x.dtype == self.weight.dtype:
             out, h = fused_add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, h)
@@ -76,4 +84,9 @@ class GemmaRMSNorm(nn.Module):
     fixed_order: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden] -> [..., hidden]``; fixed order on the CUDA path as :meth:`RMSNorm.forward`."""
+        if self.fixed_order and x.dtype == self.weight.dtype and use_triton(x):
+            from tpguide.kernels.rms_norm_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, gemma=True)[0]
         return (_normalize(x, self.eps, self.fixed_order) * (1.0 + self.weight.float())).to(x.dtype)

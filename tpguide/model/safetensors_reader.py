@@ -6,7 +6,8 @@ counts in the process's RSS until the file is closed, and a column slice
 the header itself (8-byte little-endian length, JSON, then the raw data;
 the format of https://github.com/huggingface/safetensors) and reads only the
 requested bytes with ``readinto`` straight into the result: whole rows in
-one read, a matrix's column slice row by row.  A rank's peak memory is then its parameters plus one tensor
+one read, a matrix's column slice row by row (a result on a GPU or any
+non-CPU device through a host buffer, :meth:`TensorSlice.read_rows_into`).  A rank's peak memory is then its parameters plus one tensor
 shard in flight, at the checkpoint's own dtype.
 
 :class:`TensorSlice` has the interface of safetensors' ``PySafeSlice``
@@ -91,6 +92,17 @@ def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
     return counts.most_common(1)[0][0]
 
 
+def reads_in_place(dst: torch.Tensor) -> bool:
+    """Whether :meth:`TensorSlice.read_rows_into` reads the file straight into ``dst``: a CPU tensor only."""
+    return dst.device.type == "cpu"
+
+
+def host_buffer(num_bytes: int, pin: bool) -> torch.Tensor:
+    """A new uint8 ``[num_bytes]`` CPU tensor, page-locked when ``pin`` and CUDA is available (faster H2D copies)."""
+    pin = pin and torch.cuda.is_available()
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+
+
 class TensorSlice:
     """One tensor of a safetensors file, read lazily (``PySafeSlice`` interface)."""
 
@@ -116,19 +128,41 @@ class TensorSlice:
         return out.view(self.dtype).view(num_rows, *row_shape)
 
     def read_rows_into(self, dst: torch.Tensor, first_row: int) -> torch.Tensor:
-        """Read rows ``[first_row, first_row + dst.size(0))`` (whole rows) straight into contiguous ``dst``.
+        """Read rows ``[first_row, first_row + dst.size(0))`` (whole rows) into contiguous ``dst``, in place.
 
-        No intermediate buffer; ``dst`` is cast-free, so it must have this
-        tensor's dtype (``ValueError`` otherwise).  Returns ``dst``.
+        ``dst`` is cast-free, so it must have this tensor's dtype.  A CPU
+        ``dst`` is read into straight from the file (no intermediate buffer);
+        any other device (CUDA, ``meta``) goes through a host buffer of at
+        most :data:`BLOCK_BYTES` per read (pinned for CUDA where pinning is
+        available), copied to ``dst`` block by block, so no ``.numpy()`` is ever
+        called on a device tensor (docs/gpu.md, "Exactness on CUDA").
+        Returns ``dst``.
+
+        Raises
+        ------
+        ValueError
+            ``dst`` of another dtype, not contiguous or with other trailing dims;
+            the file ends inside the tensor.
         """
         if dst.dtype != self.dtype or not dst.is_contiguous() or tuple(dst.shape[1:]) != self.shape[1:]:
             raise ValueError(f"read_rows_into needs a contiguous {self.dtype} [*, {list(self.shape[1:])}] tensor, "
                              f"got {dst.dtype} {list(dst.shape)}")
+        row_bytes = prod(self.shape[1:]) * self.dtype.itemsize
         with open(self.path, "rb", buffering=0) as f:  # unbuffered: each read is exactly the bytes asked for
-            f.seek(self.offset + first_row * prod(self.shape[1:]) * self.dtype.itemsize)
-            raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
-            if f.readinto(raw.numpy()) != raw.numel():
-                raise ValueError(f"{self.path}: file ends inside a tensor")
+            f.seek(self.offset + first_row * row_bytes)
+            if reads_in_place(dst):
+                raw = dst.view(-1).view(torch.uint8) if dst.numel() else dst.view(torch.uint8)
+                if f.readinto(raw.numpy()) != raw.numel():
+                    raise ValueError(f"{self.path}: file ends inside a tensor")
+                return dst
+            rows_per_block = max(1, BLOCK_BYTES // max(1, row_bytes))
+            buffer = host_buffer(min(dst.size(0), rows_per_block) * row_bytes, pin=dst.device.type == "cuda")
+            for lo in range(0, dst.size(0), rows_per_block):
+                n = min(rows_per_block, dst.size(0) - lo)
+                raw = buffer[:n * row_bytes]
+                if f.readinto(raw.numpy()) != raw.numel():
+                    raise ValueError(f"{self.path}: file ends inside a tensor")
+                dst.narrow(0, lo, n).copy_(raw.view(self.dtype).view(n, *self.shape[1:]))  # synchronous: reused
         return dst
 
     def __getitem__(self, index: Tuple[slice, ...]) -> torch.Tensor:

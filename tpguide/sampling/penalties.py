@@ -24,8 +24,8 @@ presence, and ``logit_bias`` as OpenAI adds it)::
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,12 +44,17 @@ class LogitPenalties:
         Divisor/multiplier (1 = none).
     additive : Tensor, float32 [E]
         ``bias - frequency * count - presence * (count > 0)``.
+    host_token_ids : Tensor or None
+        int64 ``[E]`` on the CPU: ``token_ids`` before :meth:`to` moved them
+        (None on the original), so a rank picks its shard's entries from host
+        data, without reading a device tensor back (docs/gpu.md, "Exactness on CUDA").
     """
 
     rows: torch.Tensor
     token_ids: torch.Tensor
     repetition: torch.Tensor
     additive: torch.Tensor
+    host_token_ids: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = self.rows.shape
@@ -57,9 +62,18 @@ class LogitPenalties:
             if getattr(self, name).shape != n:
                 raise ValueError(f"{name} must have shape {tuple(n)}, got {tuple(getattr(self, name).shape)}")
 
+    @property
+    def token_ids_on_host(self) -> torch.Tensor:
+        """int64 ``[E]`` token ids on the CPU (:attr:`host_token_ids`, or ``token_ids`` copied back)."""
+        return (self.token_ids if self.host_token_ids is None else self.host_token_ids).cpu()
+
     def to(self, device) -> "LogitPenalties":
-        return LogitPenalties(*(getattr(self, f).to(device) for f in ("rows", "token_ids", "repetition",
-                                                                         "additive")))
+        """A copy on ``device`` that keeps the token ids' CPU copy (:attr:`host_token_ids`)."""
+        host = self.host_token_ids
+        if host is None and self.token_ids.device.type == "cpu":
+            host = self.token_ids
+        moved = (getattr(self, f).to(device) for f in ("rows", "token_ids", "repetition", "additive"))
+        return LogitPenalties(*moved, host_token_ids=host)
 
 
 def build_logit_penalties(rows: Sequence[Tuple[object, Sequence[int], Sequence[int]]]) -> "LogitPenalties | None":
@@ -116,12 +130,13 @@ def apply_penalties_inplace(logits: torch.Tensor, penalties: LogitPenalties, voc
     vocab_start_index : int
         First token id of the shard.
     """
-    local = penalties.token_ids - vocab_start_index
+    local = penalties.token_ids_on_host - vocab_start_index  # host data: no device sync
     keep = (local >= 0) & (local < logits.shape[1])
     if not bool(keep.any()):
         return
-    rows, cols = penalties.rows[keep], local[keep]
+    index = keep.nonzero().squeeze(-1).to(logits.device)  # the shard's entries, in entry order
+    rows, cols = penalties.rows[index], penalties.token_ids[index] - vocab_start_index
     x = logits[rows, cols]
-    rep = penalties.repetition[keep]
+    rep = penalties.repetition[index]
     x = torch.where(x > 0, x / rep, x * rep)
-    logits[rows, cols] = x + penalties.additive[keep]
+    logits[rows, cols] = x + penalties.additive[index]

@@ -47,6 +47,15 @@ Exactness conditions (each tested in ``tests/test_sampler.py``):
   every element with the same device function), and on every rank using the
   same device type.
 
+Batch invariance on the CUDA code path (docs/gpu.md, "Exactness on CUDA"):
+max, argmax and top-k of unique integer keys are exact, and the fixed-point
+sums add integers, so those do not depend on the other rows; the two float
+reductions over the candidates, the top-k set's log-sum-exp and the top-p
+cumulative sum, run a per-row Triton kernel in a fixed order there
+(:mod:`tpguide.kernels.row_reductions_triton`), torch's elsewhere.  Which
+rows are greedy, filtered or top-p, and ``K``, come from the metadata's host
+copy (:attr:`SamplingMetadata.host`), never from device values.
+
 Logprobs are those of ``log_softmax(logits)`` of the logits passed in, i.e.
 after the grammar bitmask and padding ``-inf`` but *before* temperature,
 top-k and top-p (vLLM's default ``raw_logprobs``).  A row that is all
@@ -89,11 +98,12 @@ tp-invariant log-sum-exp); then the protocol around them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import torch
 
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.sampling.exchange import ShardsByHand
 from tpguide.sampling.random_stream import gumbel_noise
@@ -141,6 +151,11 @@ class SamplingMetadata:
         Compute :attr:`SamplerOutput.logprobs` (forced on when ``num_logprobs > 0``).
         When off and no row uses top-p alone, the log-sum-exp pass over the
         vocabulary and its all-reduce are skipped, and ``logprobs`` is NaN.
+    host : SamplingMetadata or None
+        The CPU original of a copy made by :meth:`to` (None on the original):
+        the sampler takes its decisions (row modes, the candidate count, which
+        rows to filter) from it, so a device copy's values are never read back
+        to the host (docs/gpu.md, "Exactness on CUDA").  A copy is not validated again.
 
     Raises
     ------
@@ -156,8 +171,11 @@ class SamplingMetadata:
     num_logprobs: int = 0
     return_logprobs: bool = True
     penalties: Optional["LogitPenalties"] = None
+    host: Optional["SamplingMetadata"] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.host is not None:  # a copy of validated metadata: no value reads on its device
+            return
         rows = self.temperature.shape
         for name, dtypes in (("temperature", (torch.float32,)), ("top_k", (torch.int32, torch.int64)),
                              ("top_p", (torch.float32,)), ("seeds", (torch.int64,)),
@@ -182,12 +200,18 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return self.temperature.shape[0]
 
+    @property
+    def on_host(self) -> "SamplingMetadata":
+        """The metadata whose tensors are on the CPU: :attr:`host`, or ``self`` when it is the original."""
+        return self if self.host is None else self.host
+
     def to(self, device: torch.device | str) -> "SamplingMetadata":
-        """A copy with every tensor on ``device`` (not in place)."""
+        """A copy with every tensor on ``device`` (not in place), remembering the CPU original (:attr:`host`)."""
         moved = {f: getattr(self, f).to(device) for f in ("temperature", "top_k", "top_p", "seeds", "sample_positions")}
         penalties = self.penalties.to(device) if self.penalties is not None else None
+        host = self.on_host if self.on_host.temperature.device.type == "cpu" else None
         return SamplingMetadata(**moved, num_logprobs=self.num_logprobs, return_logprobs=self.return_logprobs,
-                                penalties=penalties)
+                                penalties=penalties, host=host)
 
 
 @dataclass(frozen=True)
@@ -226,6 +250,8 @@ class RowModes(NamedTuple):
 
 
 def row_modes(meta: SamplingMetadata, org_vocab_size: int) -> RowModes:
+    """Each row's sampling mode, bool ``[rows]`` on the CPU, from the host copy (:attr:`SamplingMetadata.on_host`)."""
+    meta = meta.on_host
     greedy = meta.temperature.cpu() < MIN_TEMPERATURE
     top_k = meta.top_k.cpu()
     k_on = (top_k >= 1) & (top_k < org_vocab_size) & ~greedy
@@ -238,7 +264,7 @@ def num_candidates(meta: SamplingMetadata, org_vocab_size: int) -> int:
     modes = row_modes(meta, org_vocab_size)
     k = meta.num_logprobs
     if bool(modes.top_k_on.any()):
-        k = max(k, int(meta.top_k.cpu()[modes.top_k_on].max()))
+        k = max(k, int(meta.on_host.top_k.cpu()[modes.top_k_on].max()))  # host data: no device sync
     if bool((modes.top_p_on & ~modes.top_k_on).any()):
         k = max(k, TOP_P_CANDIDATES)
     return min(k, org_vocab_size)
@@ -406,6 +432,24 @@ def fixed_point_exp_sum(d: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------- the protocol over an exchange
 
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=-1)``; on the CUDA path a fixed-order Triton kernel (batch-invariant)."""
+    if use_triton(x):
+        from tpguide.kernels.row_reductions_triton import logsumexp_rows
+
+        return logsumexp_rows(x)
+    return torch.logsumexp(x, dim=-1)
+
+
+def _cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(dim=-1)``; on the CUDA path a fixed-order Triton kernel (batch-invariant)."""
+    if use_triton(x):
+        from tpguide.kernels.row_reductions_triton import cumsum_rows
+
+        return cumsum_rows(x)
+    return x.cumsum(dim=-1)
+
+
 def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: SamplingMetadata,
             org_vocab_size: int) -> tuple[SamplerOutput, torch.Tensor]:
     """Choose every row's token from the merged candidates (pure, same on every rank).
@@ -414,25 +458,27 @@ def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: Sa
     nucleus may extend past the candidates.
     """
     device = gmax.device
-    modes = RowModes(*(m.to(device) for m in row_modes(meta, org_vocab_size)))
+    host_modes = row_modes(meta, org_vocab_size)  # decisions from host data: no device sync
+    modes = RowModes(*(m.to(device) for m in host_modes))
     temp = meta.temperature.to(device, torch.float64).clamp(min=MIN_TEMPERATURE)
     token_key = torch.where(modes.plain, merged.gumbel_key, merged.max_key)
     token_ids, token_x = key_ids(token_key), key_values(token_key)
     needs_more = torch.zeros_like(modes.greedy)
-    filt = (modes.top_k_on | modes.top_p_on).nonzero().squeeze(-1)
-    if filt.numel():
+    filt_host = (host_modes.top_k_on | host_modes.top_p_on).nonzero().squeeze(-1)
+    filt = filt_host.to(device)
+    if filt_host.numel():
         keys = merged.cand_keys[filt]  # [F, K], largest first
         cx, cid = key_values(keys), key_ids(keys)
         k_on, p_on = modes.top_k_on[filt], modes.top_p_on[filt]
         rank = torch.arange(keys.shape[1], device=device)
         k_eff = torch.where(k_on, meta.top_k.to(device, torch.int64)[filt], keys.shape[1])
         kept = (cx > float("-inf")) & (rank < k_eff[:, None])
-        if bool(p_on.any()):
+        if bool(host_modes.top_p_on[filt_host].any()):
             d = (cx - gmax[filt, None]) / temp[filt, None]  # log-probs up to the normaliser
-            in_topk = torch.logsumexp(torch.where(kept, d, float("-inf")), dim=-1)
+            in_topk = _logsumexp(torch.where(kept, d, float("-inf")))
             norm = torch.where(k_on, in_topk, log_norm[filt, 1])
             prob = torch.where(kept, torch.exp(d - norm[:, None]), 0.0)
-            cum = prob.cumsum(dim=-1)
+            cum = _cumsum(prob)
             before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
             top_p = meta.top_p.to(device, torch.float64)[filt]
             kept &= (before < top_p[:, None]) | ~p_on[:, None]
@@ -490,7 +536,7 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     if not want_lse:
         log_norm[:, 0] = float("nan")
     out, needs_more = _finish(merged, gmax, log_norm, meta, org)
-    while bool(needs_more.any()):  # same decision on every rank: the inputs are identical
+    while top_p_only.numel() and bool(needs_more.any()):  # the same decision on every rank; read only for top-p rows
         k = min(k * TOP_P_GROWTH, org)
         merged = merge_candidates(exchange.gather(lambda x, s: local_candidates(x, meta, s, k)), k)
         out, needs_more = _finish(merged, gmax, log_norm, meta, org)
