@@ -22,9 +22,10 @@ tokenizer of ``--tokenizer-dir``), then for each row count of ``--rows``:
 5. aborts the requests.
 
 On CUDA the KV pool's allocation is timed alone (freed, the allocator's
-cache emptied, allocated again), then every graph bucket is captured before
-the first row count (timed: what capturing at start-up would cost).  Tables
-are printed last.
+cache emptied, allocated again), then every graph bucket the profiled steps
+can use (up to ``max(rows) * (1 + drafts)`` tokens) is captured before the
+first row count (timed: what capturing them at start-up would cost).  The
+summary lines and the per-step table are printed last.
 
 Usage::
 
@@ -232,9 +233,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     kv_s = time_kv_pool_allocation(engine, config) if on_cuda else None
     graphs = engine.runner.graphs
     capture_s = 0.0
-    if graphs is not None:
+    if graphs is not None:  # the buckets these steps can use: rows x (1 + drafts) tokens at most
         start = time.perf_counter()
-        graphs.capture_all()
+        graphs.capture_all(up_to=max(rows) * (1 + config.num_speculative_tokens))
         capture_s = time.perf_counter() - start
     reports = [run_rows(engine, args, n, i == len(rows) - 1, on_cuda) for i, n in enumerate(rows)]
     if reports[-1]["error_mode"] in ("", "no sync"):
@@ -260,25 +261,23 @@ def time_kv_pool_allocation(engine, config) -> float:
 
 
 def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, off_reason, reports) -> None:
-    """Everything, tables last."""
+    """The top tables and sync stacks first, then the summary lines and the per-step table (the last lines)."""
+    for rep in reports:
+        print(f"\n=== {rep['rows']} rows: top {'kernels' if on_cuda else 'host ops'} "
+              f"over {args.profile_steps} steps ===\n{rep['table']}")
+        if rep["syncs"]:
+            print(f"first host sync of one {rep['rows']}-row step (of {len(rep['syncs'])}):\n{rep['syncs'][0]}")
     device = torch.cuda.get_device_name() if on_cuda else "CPU"
     graph_note = (f"{len(graphs.graphs)} buckets captured in {capture_s:.2f} s "
                   f"(largest {max(graphs.capture_seconds.values()):.3f} s)" if graphs is not None and graphs.graphs
                   else f"off ({off_reason or '--no-cuda-graphs' if on_cuda else 'CPU'})")
-    print(f"device {device}, torch {torch.__version__}, dtype {dtype}, tp_invariant {args.tp_invariant}, "
+    print(f"\ndevice {device}, torch {torch.__version__}, dtype {dtype}, tp_invariant {args.tp_invariant}, "
           f"engine built in {build_s:.2f} s, CUDA graphs: {graph_note}")
     if kv_s is not None:
         print(f"KV pool allocation alone (empty cache -> zeroed pool): {kv_s:.3f} s")
     for rep in reports:
-        print(f"\n=== {rep['rows']} rows: top {'kernels' if on_cuda else 'host ops'} "
-              f"over {args.profile_steps} steps ===\n{rep['table']}")
-        if on_cuda:
-            syncs = rep["syncs"]
-            print(f"host syncs in one step ({rep['rows']} rows): {len(syncs)}")
-            if syncs:
-                print("first one:\n" + syncs[0])
-            if rep["error_mode"]:
-                print(f"one step under set_sync_debug_mode('error'): {rep['error_mode']}")
+        if rep["error_mode"]:
+            print(f"one {rep['rows']}-row step under set_sync_debug_mode('error'): {rep['error_mode']}")
     head = "| rows | wall ms/step | kernel ms | host ms | device idle ms | kernel share | launches/step | syncs |"
     print("\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|")
     for rep in reports:

@@ -168,8 +168,9 @@ class CudaGraphs(PaddedEager):
         self.graphs[bucket] = (graph, logits)
         self.capture_seconds[bucket] = time.perf_counter() - start
 
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first (what vLLM does at start-up)."""
+    def capture_all(self, up_to: Optional[int] = None) -> None:
+        """Capture every bucket (up to the one ``up_to`` tokens need) now, largest first (vLLM's start-up capture)."""
+        last = self.buckets[-1] if up_to is None else (self.bucket_for(up_to) or self.buckets[-1])
         for bucket in reversed(self.buckets):
-            if bucket not in self.graphs:
+            if bucket <= last and bucket not in self.graphs:
                 self.capture(bucket)
