@@ -43,7 +43,6 @@ forward runs and sent after.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -58,8 +57,6 @@ __all__ = ["StepCapacity", "StepBuffers", "StepInputs", "BitmaskBuffers"]
 _TOKEN_SEGMENTS = ("input_ids", "positions", "seq_index", "query_index", "slot_mapping", "selected", "seeds",
                    "sample_positions", "top_k", "temperature_top_p")
 _SEQ_SEGMENTS = ("context_lens", "query_lens", "seq_lens")
-#: Whether AttentionMetadata still takes its SDPA mask as a constructor field (it is lazy on the CUDA path's side).
-_MASK_IS_A_FIELD = any(f.name == "attn_mask" and f.init for f in dataclasses.fields(AttentionMetadata))
 
 
 @dataclass(frozen=True)
@@ -290,33 +287,26 @@ class StepBuffers:
         """An AttentionMetadata of views: ``size`` tokens, ``num_seqs`` sequences, tables ``table_width`` wide."""
         cap, seg = self.capacity, self.segment
         tables = seg("block_tables").view(cap.max_seqs, cap.max_blocks_per_seq)[:num_seqs, :table_width]
-        fields = dict(
+        meta = AttentionMetadata(  # the SDPA mask is built on first use only: the CUDA path never asks
             block_tables=tables, query_start_loc=seg("query_start_loc")[:num_seqs + 1],
             context_lens=seg("context_lens")[:num_seqs], query_lens=seg("query_lens")[:num_seqs],
             seq_lens=seg("seq_lens")[:num_seqs], token_seq_index=seg("seq_index")[:size],
             token_query_index=seg("query_index")[:size], token_positions=seg("positions")[:size],
             max_query_len=max_query_len, max_seq_len=max_seq_len,
         )
-        if _MASK_IS_A_FIELD:  # before the SDPA mask became lazy: a placeholder, never read on these paths
-            fields["attn_mask"] = torch.empty(0, dtype=torch.bool, device=self.device)
-        meta = AttentionMetadata(**fields)
         meta._derived[("write", cap.block_size)] = seg("slot_mapping")[:size]  # staged: padding -1, not derived
         return meta
 
 
 def _device_sampling(host: SamplingMetadata, tensors: Dict[str, torch.Tensor]) -> SamplingMetadata:
-    """``host`` with its per-row tensors replaced by device views, without ``__post_init__``'s checks.
+    """The device copy of ``host``: its per-row tensors replaced by device views, ``host`` kept as its host copy.
 
-    Those checks read the values (``bool(t.all())``: a host sync per check on
-    CUDA); the driver already ran them on the plan's host copy, and the views
-    hold the same values.  Where :class:`SamplingMetadata` keeps a host copy
-    (its ``host`` field: the sampler's decisions read it, not the device), it is ``host``.
+    A copy with a host copy is not validated again (each check would read a
+    device value, a sync); the driver validated ``host``, and the sampler's
+    decisions read it, never the device (:attr:`SamplingMetadata.host`).
     """
-    meta = object.__new__(SamplingMetadata)
-    for f in dataclasses.fields(SamplingMetadata):
-        value = host if f.name == "host" else tensors.get(f.name, getattr(host, f.name))
-        object.__setattr__(meta, f.name, value)
-    return meta
+    return SamplingMetadata(**tensors, num_logprobs=host.num_logprobs, return_logprobs=host.return_logprobs,
+                            penalties=host.penalties, host=host)
 
 
 class BitmaskBuffers:
