@@ -325,7 +325,7 @@ def local_candidates(
     bad = torch.isnan(row_max) | (row_max == float("inf"))
     # rows that are not plain temperature rows carry the greedy pair here (no noise)
     score, winner_key = key_values(max_key), max_key.clone()
-    plain = row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device)
+    plain = row_modes(meta, shard.org_vocab_size).plain.nonzero().squeeze(-1).to(x.device, non_blocking=True)
     if plain.numel():
         temp = meta.temperature.to(x.device, torch.float64)[plain]
         seeds, positions = meta.seeds.to(x.device)[plain], meta.sample_positions.to(x.device)[plain]
@@ -459,13 +459,14 @@ def _finish(merged: Merged, gmax: torch.Tensor, log_norm: torch.Tensor, meta: Sa
     """
     device = gmax.device
     host_modes = row_modes(meta, org_vocab_size)  # decisions from host data: no device sync
-    modes = RowModes(*(m.to(device) for m in host_modes))
+    # host -> device copies are non-blocking: a blocking one is a stream sync (docs/gpu.md, "Speed on CUDA")
+    modes = RowModes(*(m.to(device, non_blocking=True) for m in host_modes))
     temp = meta.temperature.to(device, torch.float64).clamp(min=MIN_TEMPERATURE)
     token_key = torch.where(modes.plain, merged.gumbel_key, merged.max_key)
     token_ids, token_x = key_ids(token_key), key_values(token_key)
     needs_more = torch.zeros_like(modes.greedy)
     filt_host = (host_modes.top_k_on | host_modes.top_p_on).nonzero().squeeze(-1)
-    filt = filt_host.to(device)
+    filt = filt_host.to(device, non_blocking=True)
     if filt_host.numel():
         keys = merged.cand_keys[filt]  # [F, K], largest first
         cx, cid = key_values(keys), key_ids(keys)
@@ -526,7 +527,8 @@ def sample_with_exchange(exchange, meta: SamplingMetadata, shard: VocabShard) ->
     gmax = torch.where(torch.isfinite(gmax), gmax, 0.0)
     inv_t = 1.0 / meta.temperature.to(gmax.device, torch.float64).clamp(min=MIN_TEMPERATURE)
     modes = row_modes(meta, org)
-    top_p_only = (modes.top_p_on & ~modes.top_k_on).nonzero().squeeze(-1).to(gmax.device)  # log_norm[:, 1] users
+    # the rows that use log_norm[:, 1]
+    top_p_only = (modes.top_p_on & ~modes.top_k_on).nonzero().squeeze(-1).to(gmax.device, non_blocking=True)
     want_lse = meta.return_logprobs or meta.num_logprobs > 0
     if want_lse or top_p_only.numel():  # the same decision on every rank
         sums = exchange.reduce_sum(lambda x, s: local_sum_exp(x, gmax, inv_t, top_p_only, plain_sum=want_lse))
