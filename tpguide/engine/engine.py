@@ -275,6 +275,30 @@ class Engine:
         """Blocks used / free, prefix-cache queries and hits (tokens), preemptions (driver; :class:`KVCacheStats`)."""
         return self._require_driver().kv_cache_stats()
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (driver)."""
+        return self._require_driver().tokenizer
+
+    def guided_backend(self):
+        """The grammar backend of ``config.guided_backend`` (driver), built on the first call."""
+        return self._require_driver().guided_decoder().backend
+
+    def wait_for_admissions(self) -> None:
+        """Block until every added guided request is admitted or refused (driver; the compile thread's work)."""
+        self._require_driver().wait_for_admissions()
+
+    def speculation_stats(self):
+        """Draft and acceptance counters (driver; :class:`~tpguide.speculative.verify.SpecStats`), or None
+        without speculative decoding."""
+        spec = self._require_driver().spec
+        return spec.stats if spec is not None else None
+
+    def speculation_summary(self) -> Optional[str]:
+        """One line of speculative-decoding counts (driver), or None without speculative decoding."""
+        spec = self._require_driver().spec
+        return spec.stats.summary(spec.method, spec.num_speculative_tokens) if spec is not None else None
+
     def step(self) -> List[RequestOutput]:
         """Run one engine step on every rank; the outputs that changed in it (driver).
 
@@ -354,7 +378,7 @@ class Engine:
                     self.add_request(req)
                 # every guide admitted before the first step: the same batches in every run,
                 # however long each compile takes (later arrivals join between steps)
-                self._require_driver().wait_for_admissions()
+                self.wait_for_admissions()
             while self.has_unfinished_requests():
                 outputs = self.step()  # reports its own failures to the other ranks
                 with self._between_steps():
