@@ -249,14 +249,16 @@ class Engine:
                                  num_blocks)
             # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
             # second) are built now, beside the KV pool's allocation, not in the first guided request
-            grammar_tables = self._pool.submit(self.driver.guided_decoder)
+            grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
+            building = grammar_tables.submit(self.driver.guided_decoder)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
                            getattr(group, "rank", 0))
         self.runner = StepRunner(model, group, draft_head)
         if grammar_tables is not None:
-            grammar_tables.result()
+            building.result()
+            grammar_tables.shutdown()
 
     # ------------------------------------------------------------------ driver API
     def add_request(self, request: Request) -> None:
