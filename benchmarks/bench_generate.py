@@ -296,7 +296,7 @@ def modes_table(model_dir: str, batch_sizes: List[int], args) -> None:
     modes = [m for m in args.modes.split(",") if m]
     hf_dtypes = [d for d in args.hf_dtypes.split(",") if d]
     print(f"\nweight formats (guided, {args.threads} thread(s), max_tokens {args.max_tokens}; "
-          f"'auto' is {_mode_config('auto', 1).dtype} on this CPU; int4: not wired into the model, see README)")
+          f"'auto' is {_mode_config('auto', 1).dtype} on this CPU; int4: not wired into the model, see docs/status.md)")
     runners = {m: build_engine(TPGroup(), model_dir, _mode_config(m, max(batch_sizes))) for m in modes}
     hfs = {d: HFRunner(model_dir, getattr(torch, d)) for d in hf_dtypes}
     for engine in runners.values():

@@ -1,6 +1,6 @@
 """Compare generate.py output files request by request: token ids and logprobs identical or not.
 
-The identity checks of the README's "Exactness" table (alone against in its
+The identity checks of docs/exactness.md's table (alone against in its
 file, tp 1 against tp 2, speculation against plain, server against
 ``generate.py``) come down to: the same request id, the same ``token_ids``,
 and the same ``logprobs`` (when the requests asked for them, ``"logprobs": 0``

@@ -50,7 +50,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
     p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
                    help="the plain, fastest mode: library GEMMs and attention and a plain all-reduce, so logits "
                         "(and then tokens) may change with the tp size, the batch, speculation or the threads "
-                        "(default: every reduction in a fixed order, see the README's guarantee table)")
+                        "(default: every reduction in a fixed order, see docs/exactness.md)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (vLLM's enforce_eager); by default on CUDA at tp 1 with the "
                         "TP-invariant model, decode and draft-verify steps replay a CUDA graph per token-count "

@@ -127,9 +127,9 @@ def main(argv=None) -> int:
         partial.close(remove=True)
     if not args.quiet:
         report(outputs, requests, group, wall_s, list(fresh.values()))
-        if engine.driver.spec is not None:
-            spec = engine.driver.spec
-            print(spec.stats.summary(spec.method, spec.num_speculative_tokens))
+        summary = engine.speculation_summary()
+        if summary is not None:
+            print(summary)
     destroy_tp_group(group)
     return 0
 

@@ -12,7 +12,7 @@ follow its plans.  While idle, rank 0 sends a heartbeat every
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health`` (503 once the engine loop is dead),
-``GET /metrics`` (Prometheus).  See README "Serving".
+``GET /metrics`` (Prometheus).  See docs/serving.md.
 
 SIGINT or SIGTERM (to rank 0 or to torchrun, which forwards it): stop
 accepting requests, abort the running ones, send the stop plan, every rank

@@ -12,7 +12,6 @@ from tpguide.engine.request import RequestOutput
 class FakeEngine:
     def __init__(self, die_after_steps=None, gate=None):
         self.reqs, self.steps, self.die_after, self.gate = {}, 0, die_after_steps, gate
-        self.driver = None
 
     def add_request(self, req):
         self.reqs[req.request_id] = [req, 0]
@@ -42,6 +41,9 @@ class FakeEngine:
 
     def keepalive(self):
         pass
+
+    def speculation_stats(self):
+        return None
 
     def shutdown(self):
         pass

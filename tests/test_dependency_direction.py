@@ -189,3 +189,33 @@ def test_the_graph_checks_see_circles_and_upward_imports(monkeypatch):
     monkeypatch.setitem(globals(), "graph_edges", edges)
     assert ("tpguide.guided.bitmask", "tpguide.engine.driver") in upward_imports()
     assert any({"tpguide.guided.bitmask", "tpguide.engine.driver"} <= set(c) for c in import_circles())
+
+
+#: The folders that may use the engine only through its API (docs/architecture.md §1): no driver internals.
+API_ONLY = ("tpguide/serving", "launch")
+
+
+def driver_reach_throughs(path: Path) -> list:
+    """``(line, what)`` of every import from ``tpguide.engine.driver`` and every ``.driver`` attribute in a file."""
+    found = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tpguide.engine.driver"):
+            found.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names if a.name.startswith("tpguide.engine.driver")]
+        elif isinstance(node, ast.Attribute) and node.attr == "driver":
+            found.append((node.lineno, f"{ast.unparse(node)}"))
+    return found
+
+
+@pytest.mark.parametrize("path", [p for folder in API_ONLY for p in sorted((ROOT / folder).rglob("*.py"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_serving_and_launch_use_only_the_engine_api(path):
+    assert driver_reach_throughs(path) == [], f"{path.relative_to(ROOT)} reaches into the driver"
+
+
+def test_the_reach_through_check_sees_them(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from tpguide.engine.driver import Driver\nx = engine.driver.spec\n")
+    assert [line for line, _ in driver_reach_throughs(bad)] == [1, 2]

@@ -1,4 +1,4 @@
-"""The per-backend keyword enforcement table: sound cases, re-measured, printed in the README.
+"""The per-backend keyword enforcement table: sound cases, re-measured, printed in docs/guarantees.md.
 
 ``python -m pytest -q tests/test_guided_enforcement.py -k table -s`` prints the table.
 """
@@ -15,7 +15,7 @@ from tpguide.guided.keyword_cases import KEYWORD_CASES, keyword_key
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import validator_for_schema
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUARANTEES = Path(__file__).resolve().parents[1] / "docs" / "guarantees.md"
 
 
 def _without(schema: dict, key: str) -> dict:
@@ -45,13 +45,13 @@ def test_table_is_what_the_installed_backend_enforces(name, tokenizer):
     if measured != MEASURED[name]:
         changed = {k: (MEASURED[name][k], v) for k, v in measured.items() if MEASURED[name][k] != v}
         pytest.fail(f"{name} enforces differently from the checked-in table, (was, now): {changed}; "
-                    "update _EXCEPTIONS in tpguide/guided/enforcement.py and the README table")
+                    "update _EXCEPTIONS in tpguide/guided/enforcement.py and the table in docs/guarantees.md")
 
 
-def test_readme_prints_the_table():
+def test_guarantees_page_prints_the_table():
     table = format_table(MEASURED)
     print("\n" + table)
-    assert table in README.read_text(encoding="utf-8")
+    assert table in GUARANTEES.read_text(encoding="utf-8")
 
 
 def test_refusal_names_keyword_and_pointer():

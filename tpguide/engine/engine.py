@@ -263,7 +263,8 @@ class Engine:
                                  num_blocks)
             # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
             # second) are built now, beside the KV pool's allocation, not in the first guided request
-            grammar_tables = self._pool.submit(self.driver.guided_decoder)
+            grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
+            building = grammar_tables.submit(self.driver.guided_decoder)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
@@ -276,7 +277,8 @@ class Engine:
                      else f"off ({self.runner.graphs_off_reason or '--no-cuda-graphs'})")
             print(f"[rank {getattr(group, 'rank', 0)}] CUDA graphs: {state}", file=sys.stderr, flush=True)
         if grammar_tables is not None:
-            grammar_tables.result()
+            building.result()
+            grammar_tables.shutdown()
 
     # ------------------------------------------------------------------ driver API
     def add_request(self, request: Request) -> None:
@@ -294,6 +296,30 @@ class Engine:
     def kv_cache_stats(self):
         """Blocks used / free, prefix-cache queries and hits (tokens), preemptions (driver; :class:`KVCacheStats`)."""
         return self._require_driver().kv_cache_stats()
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (driver)."""
+        return self._require_driver().tokenizer
+
+    def guided_backend(self):
+        """The grammar backend of ``config.guided_backend`` (driver), built on the first call."""
+        return self._require_driver().guided_decoder().backend
+
+    def wait_for_admissions(self) -> None:
+        """Block until every added guided request is admitted or refused (driver; the compile thread's work)."""
+        self._require_driver().wait_for_admissions()
+
+    def speculation_stats(self):
+        """Draft and acceptance counters (driver; :class:`~tpguide.speculative.verify.SpecStats`), or None
+        without speculative decoding."""
+        spec = self._require_driver().spec
+        return spec.stats if spec is not None else None
+
+    def speculation_summary(self) -> Optional[str]:
+        """One line of speculative-decoding counts (driver), or None without speculative decoding."""
+        spec = self._require_driver().spec
+        return spec.stats.summary(spec.method, spec.num_speculative_tokens) if spec is not None else None
 
     def step(self) -> List[RequestOutput]:
         """Run one engine step on every rank; the outputs that changed in it (driver).
@@ -374,7 +400,7 @@ class Engine:
                     self.add_request(req)
                 # every guide admitted before the first step: the same batches in every run,
                 # however long each compile takes (later arrivals join between steps)
-                self._require_driver().wait_for_admissions()
+                self.wait_for_admissions()
             while self.has_unfinished_requests():
                 outputs = self.step()  # reports its own failures to the other ranks
                 with self._between_steps():

@@ -269,8 +269,7 @@ class EngineLoop:
             sub.delivered = True
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, out)
         self._update_gauges()
-        spec = self.engine.driver.spec if self.engine.driver is not None else None
-        self.metrics.record_speculation(spec.stats if spec is not None else None)
+        self.metrics.record_speculation(self.engine.speculation_stats())
 
     def _record(self, sub: _Subscriber, out, now: float) -> None:
         m, new = self.metrics, len(out.new_token_ids)

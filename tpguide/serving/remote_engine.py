@@ -41,7 +41,6 @@ class RemoteEngine:
     def __init__(self, channel: ReplicaChannel, on_leave: Optional[Callable[[str], None]] = None,
                  poll_s: float = 0.01) -> None:
         self.channel, self.on_leave, self.poll_s = channel, on_leave, poll_s
-        self.driver = None  # the front end never reads a remote replica's driver state
         self._unfinished: Set[str] = set()
 
     def add_request(self, request) -> None:
@@ -54,6 +53,10 @@ class RemoteEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
+
+    def speculation_stats(self) -> None:
+        """None: a remote replica's speculation counters stay on its node."""
+        return None
 
     def step(self) -> List:
         """The outputs received since the last call (waits up to ``poll_s`` for the first).

@@ -27,7 +27,7 @@ def make_precompile(engine, metrics: ServerMetrics):
     from tpguide.guided import StructuredOutputsParams
     from tpguide.guided.admission import admit
 
-    backend = engine.driver.guided_decoder().backend  # built now (before any request), not raced later
+    backend = engine.guided_backend()  # built now (before any request), not raced later
 
     def precompile(line: Dict[str, Any]) -> None:
         params = StructuredOutputsParams.from_request(line.get("structured_output"))
@@ -75,7 +75,7 @@ def make_server_state(engine, config, *, served_model_name: str, api_key, max_wa
     else:
         loop = EngineLoop(engine, metrics, config.max_num_seqs, heartbeat_s)
         dp_size = 1
-    return ServerState(loop=loop, tokenizer=engine.driver.tokenizer, served_model_name=served_model_name,
+    return ServerState(loop=loop, tokenizer=engine.tokenizer, served_model_name=served_model_name,
                        metrics=metrics, max_num_seqs=config.max_num_seqs * dp_size,
                        max_waiting_requests=max_waiting_requests * dp_size, default_max_tokens=default_max_tokens,
                        max_model_len=config.max_model_len, guided_backend=config.guided_backend,
