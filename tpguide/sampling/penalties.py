@@ -72,7 +72,8 @@ class LogitPenalties:
         host = self.host_token_ids
         if host is None and self.token_ids.device.type == "cpu":
             host = self.token_ids
-        moved = (getattr(self, f).to(device) for f in ("rows", "token_ids", "repetition", "additive"))
+        # non-blocking: a blocking copy from pageable memory is a stream sync (docs/gpu.md, "Speed on CUDA")
+        moved = (getattr(self, f).to(device, non_blocking=True) for f in ("rows", "token_ids", "repetition", "additive"))
         return LogitPenalties(*moved, host_token_ids=host)
 
 
@@ -134,7 +135,7 @@ def apply_penalties_inplace(logits: torch.Tensor, penalties: LogitPenalties, voc
     keep = (local >= 0) & (local < logits.shape[1])
     if not bool(keep.any()):
         return
-    index = keep.nonzero().squeeze(-1).to(logits.device)  # the shard's entries, in entry order
+    index = keep.nonzero().squeeze(-1).to(logits.device, non_blocking=True)  # the shard's entries, in order
     rows, cols = penalties.rows[index], penalties.token_ids[index] - vocab_start_index
     x = logits[rows, cols]
     rep = penalties.repetition[index]

@@ -147,7 +147,7 @@ class StepRunner:
                 prompt = self._prompt_logprobs(hidden, plan)
             logits = self.model.compute_logits(hidden[inputs.selected])  # [R, V_pad / tp] fp32
         logits = logits[:num_rows]
-        if plan.sampling.penalties is not None:  # pageable copies: a penalised step waits for them
+        if plan.sampling.penalties is not None:  # sparse entries, copied non-blocking (sampling/penalties.py)
             apply_penalties_inplace(logits, plan.sampling.penalties.to(self.group.device),
                                     self.shard.vocab_start_index)
         if plan.guided:
