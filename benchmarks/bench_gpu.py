@@ -92,6 +92,13 @@ def time_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Timed:
     return Timed(sum(len(o["token_ids"]) for o in outputs), wall)
 
 
+def refused_by_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Dict[str, str]:
+    """``{id: error}`` of the requests tpguide refuses (an error row of a one-token run of each once)."""
+    outputs, _ = run_engine(args.model, engine_config(args, len(dicts), tp_invariant),
+                            [dict(d, max_tokens=1) for d in dicts])
+    return {o["id"]: str(o["error"])[:120] for o in outputs if o["finish_reason"] == "error"}
+
+
 def time_hf(hf, dicts: List[dict], grammars: Dict[str, object], max_tokens: int) -> Timed:
     """A warm-up of ``dicts``' shapes, then the timed ``generate`` of all rows."""
     rows = [grammars[d["id"].split("#")[0]] for d in dicts]
@@ -132,6 +139,7 @@ def time_to_first_token(args, request: dict, model_dir: str) -> Optional[tuple]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     from tpguide.model.default_model import default_model_dir
@@ -157,10 +165,6 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - reported, the row is left out on both sides
                 print(f"[bench_gpu] left out {r['id']}: xgrammar cannot compile it ({type(exc).__name__})")
         keep = sorted(grammars)
-    ttft = None
-    if args.ttft:  # first: the budget below may cut the larger row counts, not this
-        first = json_schema_requests(args.requests, 1, args.max_tokens, keep=keep)[0]
-        ttft = time_to_first_token(args, first, args.model)
     results: Dict[tuple, Timed] = {}
     skipped: List[str] = []
     spent: Dict[str, float] = {}  # each side's last run (warm-up + timed), the estimate of its next
@@ -168,8 +172,16 @@ def main(argv=None) -> int:
     def fits(side: str) -> bool:
         return args.budget_s <= 0 or time.perf_counter() - started + spent.get(side, 0.0) <= args.budget_s
 
-    started = time.perf_counter()
+    ttft = None
     with shared_model_loads():
+        refused = refused_by_tpguide(args, json_schema_requests(args.requests, None, 1, keep=keep),
+                                     MODES[modes[0]] if modes else True)
+        for rid, why in refused.items():
+            print(f"[bench_gpu] left out {rid}: tpguide refuses it ({why})")
+        keep = [r["id"] for r in json_schema_requests(args.requests, None, 1, keep=keep) if r["id"] not in refused]
+        if args.ttft:  # before the timed runs: the budget may cut the larger row counts, not this
+            first = json_schema_requests(args.requests, 1, args.max_tokens, keep=keep)[0]
+            ttft = time_to_first_token(args, first, args.model)
         for n in row_counts:
             dicts = json_schema_requests(args.requests, n, args.max_tokens, keep=keep)
             sides = modes + (["hf"] if hf is not None else [])

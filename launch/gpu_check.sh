@@ -3,7 +3,7 @@
 #   0. the Python packages the GPU image lacks, from .whl/ (launch/gpu_wheels.sh, run where pip works);
 #   1. the model: the embedded SmolLM2 where installed, else a random-weight checkpoint of its shape and
 #      tokenizer, built once from the folder of `python launch/gpu_model.py --export .gpu/smollm2`;
-#   2. the CUDA cases of the kernel tests (tests/test_kernels_*.py);
+#   2. the CUDA cases of the kernel tests (tests/test_kernels_*.py, tests/test_*cuda*.py);
 #   3. the default command, python launch/generate.py (the demo), every guided output checked;
 #   4. the exactness table (benchmarks/gpu_exactness.py: token ids and logprobs);
 #   5. the speed table (benchmarks/bench_gpu.py: against transformers + xgrammar, time to first token);
@@ -85,10 +85,12 @@ MODEL_FLAGS=()
     || MODEL_FLAGS=(--model "$MODEL")  # the embedded model is the default; else the random checkpoint
 say "model: $MODEL"
 
-# 2. kernel tests: the CUDA cases of every kernel test module that has some
-KERNEL_FILES=($(grep -l -i cuda tests/test_kernels_*.py))
+# 2. kernel tests: the CUDA cases of the kernel test modules and of tests/test_*cuda*.py (the model's CUDA
+#    code path); their interpreted-on-CPU cases are the CPU suite's
+mapfile -t KERNEL_FILES < <(grep -l -i cuda tests/test_kernels_*.py tests/test_*cuda*.py 2>/dev/null | sort -u)
 # shellcheck disable=SC2086
-step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -n 8 -k cuda "${KERNEL_FILES[@]}" ${GPU_CHECK_KERNEL_ARGS:-}
+step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -n 8 -k "cuda and not interpreted" "${KERNEL_FILES[@]}" \
+    ${GPU_CHECK_KERNEL_ARGS:-}
 
 # 3. the default command (the demo), then every guided output checked again
 # shellcheck disable=SC2086
