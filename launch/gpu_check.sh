@@ -68,8 +68,19 @@ print(" ".join(pip for mod, pip in mods.items() if importlib.util.find_spec(mod)
 EOF
 )"
 if [ -n "$MISSING" ]; then
-    step packages 120 "$PY" -m pip install --disable-pip-version-check -q --no-index --find-links "$WHEELS" $MISSING \
-        || { echo "[gpu_check] cannot install $MISSING from $WHEELS (run launch/gpu_wheels.sh where pip works)" >&2; exit 1; }
+    # PIP_BREAK_SYSTEM_PACKAGES: a distribution's own Python refuses pip installs otherwise (PEP 668);
+    # where site-packages is not writable, --user
+    PIP=(env PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --disable-pip-version-check -q --no-index
+         --find-links "$WHEELS")
+    # shellcheck disable=SC2086
+    if ! step packages 120 "${PIP[@]}" $MISSING; then
+        STATUS=()  # the --user attempt decides
+        # shellcheck disable=SC2086
+        step packages 120 "${PIP[@]}" --user $MISSING || {
+            echo "[gpu_check] cannot install $MISSING from $WHEELS (run launch/gpu_wheels.sh where pip works)" >&2
+            exit 1
+        }
+    fi
 fi
 
 # 1. the model
