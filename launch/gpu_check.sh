@@ -9,7 +9,8 @@
 #   5. the speed table (benchmarks/bench_gpu.py: against transformers + xgrammar, time to first token);
 #   6. where benchmarks/profile_gpu.py exists: kernel vs host vs idle time of a decode step.
 # Every step has a time limit and runs even if an earlier one failed; the tables and one status line per
-# step are printed last.  Exits 1 if a step failed.  See docs/gpu.md "Running the GPU acceptance".
+# step are printed last.  Exits 1 if a step other than the profile failed.
+# See docs/gpu.md "Running the GPU acceptance".
 #   usage: bash launch/gpu_check.sh [--quick]        (--quick: steps 0-3 only)
 # Environment (defaults):
 #   TPGUIDE_GPU_DIR=.gpu    holds smollm2/ (the exported tokenizer) and vllm_fixtures.jsonl
@@ -133,5 +134,5 @@ done
 echo
 printf '%s\n' "${STATUS[@]}"
 say "done; logs in $LOGS"
-failed=$(printf '%s\n' "${STATUS[@]}" | grep -c -v ' ok ')
+failed=$(printf '%s\n' "${STATUS[@]}" | grep -v '^profile ' | grep -c -v ' ok ')  # the profile informs only
 [ "$failed" -eq 0 ]
