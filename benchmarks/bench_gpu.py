@@ -50,6 +50,7 @@ class Timed:
 
     tokens: int
     seconds: float
+    failed: List[str] = dataclasses.field(default_factory=list)  # "id: error" of rows that ended in an error
 
     @property
     def rate(self) -> float:
@@ -83,13 +84,18 @@ def engine_config(args, rows: int, tp_invariant: bool):
 
 
 def time_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Timed:
-    """One fresh engine: a warm-up of ``dicts``' shapes, then the timed run; raises if a row failed."""
+    """One fresh engine: a warm-up of ``dicts``' shapes, then the timed run (its failed rows listed)."""
     outputs, wall = run_engine(args.model, engine_config(args, len(dicts), tp_invariant), dicts,
                                warm_up=warm_up_variant(dicts))
     failed = [f"{o['id']}: {o['error']}" for o in outputs if o["finish_reason"] == "error"]
-    if failed:
-        raise RuntimeError(f"{len(failed)} tpguide row(s) failed, e.g. {failed[0]}")
-    return Timed(sum(len(o["token_ids"]) for o in outputs), wall)
+    return Timed(sum(len(o["token_ids"]) for o in outputs), wall, failed)
+
+
+def refused_by_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Dict[str, str]:
+    """``{id: error}`` of the requests tpguide refuses (an error row of a one-token run of each once)."""
+    outputs, _ = run_engine(args.model, engine_config(args, len(dicts), tp_invariant),
+                            [dict(d, max_tokens=1) for d in dicts])
+    return {o["id"]: str(o["error"])[:120] for o in outputs if o["finish_reason"] == "error"}
 
 
 def time_hf(hf, dicts: List[dict], grammars: Dict[str, object], max_tokens: int) -> Timed:
@@ -132,6 +138,7 @@ def time_to_first_token(args, request: dict, model_dir: str) -> Optional[tuple]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     from tpguide.model.default_model import default_model_dir
@@ -157,10 +164,6 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - reported, the row is left out on both sides
                 print(f"[bench_gpu] left out {r['id']}: xgrammar cannot compile it ({type(exc).__name__})")
         keep = sorted(grammars)
-    ttft = None
-    if args.ttft:  # first: the budget below may cut the larger row counts, not this
-        first = json_schema_requests(args.requests, 1, args.max_tokens, keep=keep)[0]
-        ttft = time_to_first_token(args, first, args.model)
     results: Dict[tuple, Timed] = {}
     skipped: List[str] = []
     spent: Dict[str, float] = {}  # each side's last run (warm-up + timed), the estimate of its next
@@ -168,8 +171,16 @@ def main(argv=None) -> int:
     def fits(side: str) -> bool:
         return args.budget_s <= 0 or time.perf_counter() - started + spent.get(side, 0.0) <= args.budget_s
 
-    started = time.perf_counter()
+    ttft = None
     with shared_model_loads():
+        refused = refused_by_tpguide(args, json_schema_requests(args.requests, None, 1, keep=keep),
+                                     MODES[modes[0]] if modes else True)
+        for rid, why in refused.items():
+            print(f"[bench_gpu] left out {rid}: tpguide refuses it ({why})")
+        keep = [r["id"] for r in json_schema_requests(args.requests, None, 1, keep=keep) if r["id"] not in refused]
+        if args.ttft:  # before the timed runs: the budget may cut the larger row counts, not this
+            first = json_schema_requests(args.requests, 1, args.max_tokens, keep=keep)[0]
+            ttft = time_to_first_token(args, first, args.model)
         for n in row_counts:
             dicts = json_schema_requests(args.requests, n, args.max_tokens, keep=keep)
             sides = modes + (["hf"] if hf is not None else [])
@@ -183,9 +194,13 @@ def main(argv=None) -> int:
                 spent[side] = time.perf_counter() - t
                 print(f"[bench_gpu] {n} rows, {side}: {results[(n, side)].rate:.1f} tok/s", flush=True)
     print_table(args, device, row_counts, modes, results, ttft)
+    failed = [f"{n} rows {side}: {len(r.failed)} failed, e.g. {r.failed[0]}" for (n, side), r in results.items()
+              if r.failed]
+    for line in failed:  # after the admission probe, only an invalid output (the engine's validation) fails a row
+        print(f"FAILED ROWS {line}")
     if skipped:
         print(f"skipped (--budget-s {args.budget_s:g} spent): {', '.join(skipped)}")
-    return 3 if skipped else 0
+    return 1 if failed else 3 if skipped else 0
 
 
 def print_table(args, device: str, row_counts: List[int], modes: List[str], results: Dict[tuple, Timed],

@@ -86,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", default=str(DEFAULT_FIXTURES), help="JSON-lines requests (default: %(default)s)")
     p.add_argument("--rows", type=int, default=32, help="fixture rows of the reference run (default 32)")
-    p.add_argument("--sub-rows", type=int, default=8, help="K of 'first K of N' (default 8)")
+    p.add_argument("--sub-rows", type=int, default=8,
+                   help="K of 'first K of N' (default 8; N // 2 where N <= K, e.g. the demo's 7 rows)")
     p.add_argument("--alone", type=int, default=None, help="rows run alone (default: all)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every fixture row (default 128)")
     p.add_argument("--logprobs", type=int, default=1, help="logprobs asked on every row (default 1)")
@@ -170,7 +171,7 @@ def check_set(name: str, dicts: List[dict], args, base, started: float) -> List[
     print(f"[exactness] {name}: reference run of {n} rows in {ref_s:.1f} s", flush=True)
     bad = invalid_outputs(reference)
     table.append(Row(name, "reference: guided outputs valid", n, n - len(bad), 0, 0, ref_s, "; ".join(bad[:3])))
-    jobs = list(variants(base, n, args.sub_rows, alone))
+    jobs = list(variants(base, n, args.sub_rows if args.sub_rows < n else n // 2, alone))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.tp2 == "auto" and gpus >= 2:
         jobs.append(("tp 1 vs tp 2 (NCCL)", None, n))
@@ -220,18 +221,19 @@ def main(argv=None) -> int:
     set_threads(args, 1)
     base = engine_config_from_args(argparse.Namespace(**dict(vars(args), max_num_seqs=args.max_num_seqs or 1)))
     started = time.perf_counter()
-    sets = []
-    if args.fixtures:
-        sets.append(("fixtures", json_schema_requests(args.requests, args.rows, args.max_tokens, args.logprobs)))
+    sets = []  # the demo first: the smaller set, so a tight --budget-s still covers both sets' first comparisons
     if args.demo:
         sets.append(("demo", demo_request_dicts(args.max_new_tokens, args.logprobs)))
+    if args.fixtures:
+        sets.append(("fixtures", json_schema_requests(args.requests, args.rows, args.max_tokens, args.logprobs)))
     table: List[Row] = []
     with shared_model_loads(enabled=not args.reload_model):
         for name, dicts in sets:
             table.extend(check_set(name, dicts, args, base, started))
-    print(f"\nexactness (model {args.model or 'embedded'}, dtype {base.dtype}, tp-invariant {base.tp_invariant}, "
-          f"speculation {base.speculative_method}, max_tokens {args.max_tokens} fixtures / {args.max_new_tokens} demo, "
-          f"{time.perf_counter() - started:.0f} s)")
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"\nexactness ({name}, model {args.model or 'embedded'}, dtype {base.dtype}, tp-invariant "
+          f"{base.tp_invariant}, speculation {base.speculative_method}, max_tokens {args.max_tokens} (fixtures) / "
+          f"{args.max_new_tokens} (demo), {time.perf_counter() - started:.0f} s)")
     print_table(table)
     differs = [r for r in table if r.same_ids is not None and not r.identical]
     skipped = [r for r in table if r.note.startswith("skipped")]

@@ -3,13 +3,14 @@
 #   0. the Python packages the GPU image lacks, from .whl/ (launch/gpu_wheels.sh, run where pip works);
 #   1. the model: the embedded SmolLM2 where installed, else a random-weight checkpoint of its shape and
 #      tokenizer, built once from the folder of `python launch/gpu_model.py --export .gpu/smollm2`;
-#   2. the CUDA cases of the kernel tests (tests/test_kernels_*.py);
+#   2. the CUDA cases of the kernel tests (tests/test_kernels_*.py, tests/test_*cuda*.py);
 #   3. the default command, python launch/generate.py (the demo), every guided output checked;
 #   4. the exactness table (benchmarks/gpu_exactness.py: token ids and logprobs);
 #   5. the speed table (benchmarks/bench_gpu.py: against transformers + xgrammar, time to first token);
 #   6. where benchmarks/profile_gpu.py exists: kernel vs host vs idle time of a decode step.
 # Every step has a time limit and runs even if an earlier one failed; the tables and one status line per
-# step are printed last.  Exits 1 if a step failed.  See docs/gpu.md "Running the GPU acceptance".
+# step are printed last.  Exits 1 if a step other than the profile failed.
+# See docs/gpu.md "Running the GPU acceptance".
 #   usage: bash launch/gpu_check.sh [--quick]        (--quick: steps 0-3 only)
 # Environment (defaults):
 #   TPGUIDE_GPU_DIR=.gpu    holds smollm2/ (the exported tokenizer) and vllm_fixtures.jsonl
@@ -68,8 +69,19 @@ print(" ".join(pip for mod, pip in mods.items() if importlib.util.find_spec(mod)
 EOF
 )"
 if [ -n "$MISSING" ]; then
-    step packages 120 "$PY" -m pip install --disable-pip-version-check -q --no-index --find-links "$WHEELS" $MISSING \
-        || { echo "[gpu_check] cannot install $MISSING from $WHEELS (run launch/gpu_wheels.sh where pip works)" >&2; exit 1; }
+    # PIP_BREAK_SYSTEM_PACKAGES: a distribution's own Python refuses pip installs otherwise (PEP 668);
+    # where site-packages is not writable, --user
+    PIP=(env PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --disable-pip-version-check -q --no-index
+         --find-links "$WHEELS")
+    # shellcheck disable=SC2086
+    if ! step packages 120 "${PIP[@]}" $MISSING; then
+        STATUS=()  # the --user attempt decides
+        # shellcheck disable=SC2086
+        step packages 120 "${PIP[@]}" --user $MISSING || {
+            echo "[gpu_check] cannot install $MISSING from $WHEELS (run launch/gpu_wheels.sh where pip works)" >&2
+            exit 1
+        }
+    fi
 fi
 
 # 1. the model
@@ -85,10 +97,12 @@ MODEL_FLAGS=()
     || MODEL_FLAGS=(--model "$MODEL")  # the embedded model is the default; else the random checkpoint
 say "model: $MODEL"
 
-# 2. kernel tests: the CUDA cases of every kernel test module that has some
-KERNEL_FILES=($(grep -l -i cuda tests/test_kernels_*.py))
+# 2. kernel tests: the CUDA cases of the kernel test modules and of tests/test_*cuda*.py (the model's CUDA
+#    code path); their interpreted-on-CPU cases are the CPU suite's
+mapfile -t KERNEL_FILES < <(grep -l -i cuda tests/test_kernels_*.py tests/test_*cuda*.py 2>/dev/null | sort -u)
 # shellcheck disable=SC2086
-step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -n 8 -k cuda "${KERNEL_FILES[@]}" ${GPU_CHECK_KERNEL_ARGS:-}
+step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -n 8 -k "cuda and not interpreted" "${KERNEL_FILES[@]}" \
+    ${GPU_CHECK_KERNEL_ARGS:-}
 
 # 3. the default command (the demo), then every guided output checked again
 # shellcheck disable=SC2086
@@ -120,5 +134,5 @@ done
 echo
 printf '%s\n' "${STATUS[@]}"
 say "done; logs in $LOGS"
-failed=$(printf '%s\n' "${STATUS[@]}" | grep -c -v ' ok ')
+failed=$(printf '%s\n' "${STATUS[@]}" | grep -v '^profile ' | grep -c -v ' ok ')  # the profile informs only
 [ "$failed" -eq 0 ]
