@@ -41,7 +41,9 @@ import torch
 from engine_runs import DEFAULT_FIXTURES, json_schema_requests, run_engine, shared_model_loads, warm_up_variant
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"exact": True, "plain": False}  # tp_invariant
+#: tpguide modes: EngineConfig fields (graphs: the opt-in --cuda-graphs path, exact)
+MODES = {"exact": {"tp_invariant": True}, "plain": {"tp_invariant": False},
+         "graphs": {"tp_invariant": True, "cuda_graphs": True}}
 
 
 @dataclasses.dataclass
@@ -64,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="8,32,128", help="comma-separated row counts (default 8,32,128)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every row (default 128)")
     p.add_argument("--dtype", default="bfloat16", help="both sides' dtype (default bfloat16)")
-    p.add_argument("--modes", default="exact,plain", help="tpguide modes: exact (tp-invariant), plain (default both)")
+    p.add_argument("--modes", default="exact,plain", help="tpguide modes: exact (tp-invariant), plain, graphs (exact with --cuda-graphs) (default exact,plain)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="tpguide only")
     p.add_argument("--no-ttft", dest="ttft", action="store_false", help="no fresh-process time to first token")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -74,26 +76,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_config(args, rows: int, tp_invariant: bool):
+def engine_config(args, rows: int, mode: dict):
     """The CLI's defaults but ``max_num_seqs`` = ``rows``, ``--dtype``, the mode and (on CUDA) the KV pool size."""
     from tpguide.engine import EngineConfig
 
     kv = args.kv_cache_memory if torch.cuda.is_available() else None
-    return EngineConfig(max_num_seqs=rows, dtype=getattr(torch, args.dtype), tp_invariant=tp_invariant,
-                        kv_cache_memory=kv)
+    return EngineConfig(max_num_seqs=rows, dtype=getattr(torch, args.dtype), kv_cache_memory=kv, **mode)
 
 
-def time_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Timed:
+def time_tpguide(args, dicts: List[dict], mode: dict) -> Timed:
     """One fresh engine: a warm-up of ``dicts``' shapes, then the timed run (its failed rows listed)."""
-    outputs, wall = run_engine(args.model, engine_config(args, len(dicts), tp_invariant), dicts,
+    outputs, wall = run_engine(args.model, engine_config(args, len(dicts), mode), dicts,
                                warm_up=warm_up_variant(dicts))
     failed = [f"{o['id']}: {o['error']}" for o in outputs if o["finish_reason"] == "error"]
     return Timed(sum(len(o["token_ids"]) for o in outputs), wall, failed)
 
 
-def refused_by_tpguide(args, dicts: List[dict], tp_invariant: bool) -> Dict[str, str]:
+def refused_by_tpguide(args, dicts: List[dict], mode: dict) -> Dict[str, str]:
     """``{id: error}`` of the requests tpguide refuses (an error row of a one-token run of each once)."""
-    outputs, _ = run_engine(args.model, engine_config(args, len(dicts), tp_invariant),
+    outputs, _ = run_engine(args.model, engine_config(args, len(dicts), mode),
                             [dict(d, max_tokens=1) for d in dicts])
     return {o["id"]: str(o["error"])[:120] for o in outputs if o["finish_reason"] == "error"}
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     ttft = None
     with shared_model_loads():
         refused = refused_by_tpguide(args, json_schema_requests(args.requests, None, 1, keep=keep),
-                                     MODES[modes[0]] if modes else True)
+                                     MODES[modes[0] if modes else "exact"])
         for rid, why in refused.items():
             print(f"[bench_gpu] left out {rid}: tpguide refuses it ({why})")
         keep = [r["id"] for r in json_schema_requests(args.requests, None, 1, keep=keep) if r["id"] not in refused]
@@ -210,9 +211,10 @@ def print_table(args, device: str, row_counts: List[int], modes: List[str], resu
     print(f"\nspeed ({name}, model {args.model}, {args.dtype}, greedy, max_tokens {args.max_tokens}, "
           f"fixtures' JSON-schema requests; generation wall time after one warm-up)")
     sides = modes + (["hf"] if args.hf else [])
-    ratios = [(m, "hf") for m in modes if args.hf] + ([("plain", "exact")] if {"exact", "plain"} <= set(modes) else [])
+    ratios = [(m, "hf") for m in modes if args.hf] + [(a, b) for a, b in (("plain", "exact"), ("graphs", "exact"))
+                                                       if {a, b} <= set(modes)]
     titles = [f"tpguide {s}" if s != "hf" else "HF+xgrammar" for s in sides]
-    titles += [f"{a}/HF" if b == "hf" else "exact cost" for a, b in ratios]
+    titles += [f"{a}/HF" if b == "hf" else "exact cost" if a == "plain" else f"{a}/{b}" for a, b in ratios]
     head = f"{'rows':>4} | " + " | ".join(f"{t:>20}" if i < len(sides) else f"{t:>10}" for i, t in enumerate(titles))
     print(head + "\n" + "-" * len(head))
     for n in row_counts:

@@ -8,7 +8,7 @@ number of rows, so the reference run is one batch), each request asks for
 
 =============================  ==========================================================
 same run twice                 a second fresh engine, same config
-CUDA graphs vs eager           ``--no-cuda-graphs`` (on CUDA, where the engine has the flag)
+eager vs CUDA graphs           ``--cuda-graphs`` (on CUDA, where the engine has the flag)
 first K of N vs a K-row run    the first ``--sub-rows`` requests alone in their run
 each alone vs batched          ``--max-num-seqs 1`` (the first ``--alone`` rows)
 grammar drafts vs none         ``--speculative-method none`` (or grammar, if the base is none)
@@ -109,8 +109,9 @@ def variants(base, rows: int, sub_rows: int, alone: int):
     """``(comparison, config, first rows run)`` of each in-process comparison, cheapest first."""
     drafts = base.speculative_method is not None
     yield "same run twice", base, rows
-    if getattr(base, "cuda_graphs", False) and torch.cuda.is_available():  # EngineConfig.cuda_graphs, where it exists
-        yield "CUDA graphs vs eager", dataclasses.replace(base, cuda_graphs=False), rows
+    if hasattr(base, "cuda_graphs") and torch.cuda.is_available():  # EngineConfig.cuda_graphs, where it exists
+        yield ("eager vs CUDA graphs" if not base.cuda_graphs else "CUDA graphs vs eager",
+               dataclasses.replace(base, cuda_graphs=not base.cuda_graphs), rows)
     if 0 < sub_rows < rows:
         yield f"first {sub_rows} of {rows} vs a {sub_rows}-row run", base, sub_rows
     yield ("grammar drafts vs none" if drafts else "no drafts vs grammar drafts",
@@ -137,8 +138,8 @@ def tp2_flags(args, config) -> List[str]:
         flags.append("--no-prefix-caching")
     if not config.tp_invariant:
         flags.append("--no-tp-invariant")
-    if getattr(config, "cuda_graphs", True) is False:
-        flags.append("--no-cuda-graphs")
+    if getattr(config, "cuda_graphs", False):
+        flags.append("--cuda-graphs")
     return flags + (["--model", args.model] if args.model else [])
 
 

@@ -31,7 +31,7 @@ Usage::
 
     python benchmarks/profile_gpu.py [--rows 8,32] [--requests FILE] [--model DIR | --tokenizer-dir DIR]
                                      [--warmup-steps 6] [--profile-steps 4] [--max-tokens 128]
-                                     [--dtype bfloat16] [--no-cuda-graphs] [--no-tp-invariant]
+                                     [--dtype bfloat16] [--eager] [--no-tp-invariant]
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--eager", dest="cuda_graphs", action="store_false",
+                   help="profile the default eager CUDA path instead of --cuda-graphs")
     p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false")
     return p.parse_args(argv)
 
@@ -270,7 +271,7 @@ def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, off_reason, r
     device = torch.cuda.get_device_name() if on_cuda else "CPU"
     graph_note = (f"{len(graphs.graphs)} buckets captured in {capture_s:.2f} s "
                   f"(largest {max(graphs.capture_seconds.values()):.3f} s)" if graphs is not None and graphs.graphs
-                  else f"off ({off_reason or '--no-cuda-graphs' if on_cuda else 'CPU'})")
+                  else f"off ({off_reason or '--eager' if on_cuda else 'CPU'})")
     print(f"\ndevice {device}, torch {torch.__version__}, dtype {dtype}, tp_invariant {args.tp_invariant}, "
           f"engine built in {build_s:.2f} s, CUDA graphs: {graph_note}")
     if kv_s is not None:

@@ -134,9 +134,12 @@ class EngineConfig:
         fitted once on built-in calibration text and cached
         (:mod:`tpguide.speculative.draft_lens`); False = the raw early exit.
     cuda_graphs : bool
-        Replay decode and draft-verify steps as CUDA graphs where supported
-        (CUDA, tp 1, ``tp_invariant``; :mod:`tpguide.worker.cuda_graphs`);
-        False: every step eagerly (vLLM's ``enforce_eager``).  No effect on CPU.
+        Opt in (not yet run on a GPU, docs/gpu.md): on CUDA, the step's inputs
+        go through persistent buffers with no host sync before the sampled ids
+        are read, and decode and draft-verify steps replay a CUDA graph where
+        supported (tp 1, ``tp_invariant``; :mod:`tpguide.worker.cuda_graphs`).
+        False (the default): every step eagerly, the CUDA path measured on an
+        H200 (docs/gpu.md "Results").  No effect on CPU.
     """
 
     max_num_seqs: int = 16
@@ -158,7 +161,7 @@ class EngineConfig:
     draft_num_layers: Optional[int] = None
     draft_vocab_size: int = 8192
     draft_lens: bool = True
-    cuda_graphs: bool = True
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_speculative(self.speculative_method, self.num_speculative_tokens, self.grammar_draft)
@@ -270,11 +273,12 @@ class Engine:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
                            getattr(group, "rank", 0))
         self.runner = StepRunner(model, group, draft_head, capacity=step_capacity(config),
-                                 cuda_graphs=config.cuda_graphs)
+                                 cuda_graphs=config.cuda_graphs,
+                                 static_inputs=group.device.type == "cuda" and config.cuda_graphs)
         if group.is_driver and group.device.type == "cuda":
             graphs = self.runner.graphs
             state = (f"on (buckets up to {graphs.buckets[-1]} tokens, each captured on first use)" if graphs
-                     else f"off ({self.runner.graphs_off_reason or '--no-cuda-graphs'})")
+                     else f"off ({self.runner.graphs_off_reason or 'the default; --cuda-graphs opts in'})")
             print(f"[rank {getattr(group, 'rank', 0)}] CUDA graphs: {state}", file=sys.stderr, flush=True)
         if grammar_tables is not None:
             building.result()
