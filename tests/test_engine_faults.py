@@ -71,7 +71,7 @@ def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, refe
     def tagging_add_request(self, slot, params):
         add_request(self, slot, params)
         if params is not None and params.regex == DEAD_REGEX:
-            self._matchers[slot].dead_after = 2
+            self.record(slot).matcher.dead_after = 2
 
     fill = XGrammarMatcher.fill_next_token_bitmask
 
@@ -95,7 +95,7 @@ def test_matcher_error_while_filling_is_reported_with_its_reason(tiny_model_path
     def tagging_add_request(self, slot, params):
         add_request(self, slot, params)
         if params is not None and params.regex == DEAD_REGEX:
-            self._matchers[slot].raise_after = 2
+            self.record(slot).matcher.raise_after = 2
 
     fill = XGrammarMatcher.fill_next_token_bitmask
 
