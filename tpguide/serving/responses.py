@@ -130,7 +130,7 @@ def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any],
     for k, out in enumerate(outputs):
         if parsed.endpoint == "chat":
             message, reason = chat_message(out.text, parsed.tools, out.finish_reason)  # the answer only
-            message = with_reasoning(message, out.reasoning, parsed.include_reasoning)
+            message = with_reasoning(message, getattr(out, "reasoning", None), parsed.include_reasoning)
             lp = chat_logprobs(out.logprobs or [], parsed.logprobs, token_text) if parsed.logprobs is not None \
                 else None
             choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": reason})

@@ -73,12 +73,13 @@ class ChoiceStream:
         self.started = True
         self.num_tokens = len(out.token_ids)
         finished = out.finish_reason is not None
-        if out.reasoning is None:
+        reasoning = getattr(out, "reasoning", None)  # None: the request did not think
+        if reasoning is None:
             self.detok.add(out.new_token_ids)
             so_far = self.detok.text
         else:  # a thinking request: the engine's answer text (docs/reasoning.md), a cut character held back
             so_far = out.text.rstrip("\ufffd")
-            thought = self.reasoning.delta(out.reasoning, finished)
+            thought = self.reasoning.delta(reasoning, finished)
             if thought and self.parsed.include_reasoning and self.parsed.endpoint == "chat":
                 entries.append(self._entry({"reasoning": thought, "reasoning_content": thought}))
         delta_text = self.text.finish(out.text) if finished else self.text.update(so_far)
