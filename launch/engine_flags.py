@@ -80,6 +80,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="draft-head: no tuned-lens translator after the drafter's last layer (by default one "
                         "is fitted on built-in calibration text at the first start, about 15 s for the "
                         "embedded model on 2 CPU cores, and cached)")
+    p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "deepseek_r1", "none"], default="auto",
+                   help="think block of reasoning models (docs/reasoning.md): auto = on when the tokenizer has "
+                        "<think> and </think> as single tokens; a named parser without them fails the start")
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="D",
                    help="replicas: the torchrun world splits into D tensor-parallel groups of world / D ranks, "
                         "each a full engine; global rank 0 is the front end (default: 1, or world / "
@@ -138,7 +141,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         speculative_method=method, grammar_draft=args.grammar_draft,
                         num_speculative_tokens=args.num_speculative_tokens, draft_num_layers=args.draft_num_layers,
                         draft_vocab_size=args.draft_vocab_size or EngineConfig.draft_vocab_size,
-                        draft_lens=args.draft_lens, cuda_graphs=args.cuda_graphs)
+                        draft_lens=args.draft_lens, cuda_graphs=args.cuda_graphs,
+                        reasoning_parser=args.reasoning_parser)
 
 
 _BYTE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}

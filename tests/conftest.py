@@ -61,6 +61,14 @@ def tiny_model_path(tmp_path_factory, default_model_path):
 
 
 @pytest.fixture(scope="session")
+def reasoning_model_path(tmp_path_factory, default_model_path):
+    """The tiny random Qwen3 reasoning checkpoint (<think>/</think> added, Qwen3's enable_thinking template)."""
+    from tpguide.model.tiny_reasoning import write_tiny_reasoning_model
+
+    return str(write_tiny_reasoning_model(tmp_path_factory.mktemp("tiny-reasoning"), default_model_path))
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """SmolLM2's tokenizer (cached on disk after the first GGUF read); skips if the model package is absent."""
     from guided_testing import load_test_tokenizer

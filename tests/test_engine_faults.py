@@ -68,10 +68,10 @@ def test_non_finite_logits_fail_one_request_with_step_and_rank(tiny_model_path, 
 def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, reference, monkeypatch):
     add_request = GuidedDecoder.add_request
 
-    def tagging_add_request(self, slot, params):
-        add_request(self, slot, params)
+    def tagging_add_request(self, slot, params, thinking=None):
+        add_request(self, slot, params, thinking)
         if params is not None and params.regex == DEAD_REGEX:
-            self._matchers[slot].dead_after = 2
+            self.record(slot).matcher.dead_after = 2
 
     fill = XGrammarMatcher.fill_next_token_bitmask
 
@@ -92,10 +92,10 @@ def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, refe
 def test_matcher_error_while_filling_is_reported_with_its_reason(tiny_model_path, reference, monkeypatch):
     add_request = GuidedDecoder.add_request
 
-    def tagging_add_request(self, slot, params):
-        add_request(self, slot, params)
+    def tagging_add_request(self, slot, params, thinking=None):
+        add_request(self, slot, params, thinking)
         if params is not None and params.regex == DEAD_REGEX:
-            self._matchers[slot].raise_after = 2
+            self.record(slot).matcher.raise_after = 2
 
     fill = XGrammarMatcher.fill_next_token_bitmask
 

@@ -9,8 +9,8 @@ from guided_testing import load_test_backend
 from tpguide.engine.request import Request, SamplingParams
 from tpguide.guided import StructuredOutputsParams, make_backend, token_ids_to_bitmask_row
 from tpguide.guided.bitmask import single_allowed_token
+from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.llguidance_backend import complete_utf8_prefix
-from tpguide.guided.spec_decoder import SpeculativeGuidedDecoder
 from tpguide.speculative.grammar_draft import GrammarDrafter, strict_prefix_token_ids
 from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 
@@ -30,7 +30,7 @@ def drafter(tokenizer):
 
 
 def _decoder(backend_name, slot, params, tokenizer, prefix=""):
-    decoder = SpeculativeGuidedDecoder(load_test_backend(backend_name, VOCAB), VOCAB, 4 * 5)
+    decoder = GuidedDecoder(load_test_backend(backend_name, VOCAB), VOCAB, 4 * 5)
     decoder.add_request(slot, StructuredOutputsParams.from_request(params))
     for token in encode(tokenizer, prefix):
         assert decoder.accept_token(slot, token)
@@ -40,7 +40,7 @@ def _decoder(backend_name, slot, params, tokenizer, prefix=""):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_both_backends_report_the_forced_string(name, tokenizer):
     decoder = _decoder(name, 0, {"json": SCHEMA}, tokenizer, '{"')
-    matcher = decoder._matchers[0]
+    matcher = decoder.record(0).matcher
     assert matcher.find_jump_forward_string() == 'name"'  # then whitespace may follow: not forced
     for token in encode(tokenizer, 'name": "Al", "'):
         assert matcher.accept_token(token)
@@ -67,11 +67,11 @@ def test_single_allowed_token():
 @pytest.mark.parametrize("name", BACKENDS)
 def test_drafts_are_the_canonical_tokens_of_the_forced_text(name, tokenizer, drafter):
     decoder = _decoder(name, 1, {"json": SCHEMA}, tokenizer, '{"name": "Al", "')
-    before = decoder._matchers[1].num_accepted_tokens
+    before = decoder.record(1).matcher.num_accepted_tokens
     # 'age"': the tokens of "age", and '"' dropped: the model merges it with what follows ('":')
     assert drafter.propose(decoder, 1, 4) == encode(tokenizer, "age")
     assert drafter.propose(decoder, 1, 0) == []
-    assert decoder._matchers[1].num_accepted_tokens == before  # rolled back at once
+    assert decoder.record(1).matcher.num_accepted_tokens == before  # rolled back at once
     choice = _decoder(name, 2, {"choice": ["the quick brown fox jumps"]}, tokenizer)
     full = encode(tokenizer, "the quick brown fox jumps")
     assert drafter.propose(choice, 2, 3) == full[:3]  # cut at K, nothing dropped
@@ -80,12 +80,12 @@ def test_drafts_are_the_canonical_tokens_of_the_forced_text(name, tokenizer, dra
 def test_the_walk_drafts_a_lone_allowed_token(tokenizer, drafter):
     """No forced text, one allowed token: with a single stop id, the end of a grammar forces the stop token."""
     backend = make_backend("xgrammar", tokenizer, VOCAB, [2])
-    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
+    decoder = GuidedDecoder(backend, VOCAB, 8)
     decoder.add_request(0, StructuredOutputsParams.from_request({"regex": "ab"}))
     a, b = encode(tokenizer, "a")[0], encode(tokenizer, "b")[0]
     assert decoder.accept_token(0, a)
     assert drafter.propose(decoder, 0, 4) == [b, 2]  # the forced "b", then the walk: the stop token, then nothing
-    assert not decoder.is_terminated(0) and decoder._matchers[0].num_accepted_tokens == 1
+    assert not decoder.is_terminated(0) and decoder.record(0).matcher.num_accepted_tokens == 1
 
 
 def test_strict_prefix_ids_compare_token_strings():
@@ -123,7 +123,7 @@ def test_forced_text_first_then_the_fallback(method, tokenizer, drafter):
         spec.proposer = FixedNgram(encode(tokenizer, 'l", "age": 4, "x'))
     name = encode(tokenizer, "name")
     assert spec.propose(_request(0), 8, decoder) == name
-    assert spec.verify(name, name + [7], 0, slot=0).num_accepted == len(name)
+    assert spec.verify(name, name + [7], 0, forced=decoder.record(0).forced).num_accepted == len(name)
     assert (spec.stats.num_forced_drafted, spec.stats.num_forced_accepted) == (len(name), len(name))
     fallback = spec.propose(_request(1), 8, free)
     if method == "grammar":
@@ -132,7 +132,7 @@ def test_forced_text_first_then_the_fallback(method, tokenizer, drafter):
         assert fallback == [DRAFT_PENDING] * 4
     else:
         assert fallback == encode(tokenizer, 'l", "age": 4, "x')[:4]
-    spec.verify(fallback[:1], [0, 0], 0, slot=1)
+    spec.verify(fallback[:1], [0, 0], 0, forced=free.record(1).forced)
     assert spec.stats.num_forced_drafted == len(name)  # the fallback's draft is not forced text
     assert spec.stats.num_drafted == len(name) + len(fallback[:1])
     # penalties: no grammar drafts (the rows would need the drafts in the request's history); the n-gram
@@ -200,13 +200,13 @@ def test_layouts_draft_the_whitespace_the_output_has_kept(name, text, layout_tex
     """Bounded whitespace forces nothing after a comma; the layout still in the race drafts its spacing and name."""
     drafter = GrammarDrafter(tokenizer, VOCAB)
     decoder = _decoder(name, 0, {"json": SCHEMA}, tokenizer, text)
-    assert decoder._matchers[0].find_jump_forward_string() == ""  # the guide itself forces nothing here
+    assert decoder.record(0).matcher.find_jump_forward_string() == ""  # the guide itself forces nothing here
     assert drafter.propose(decoder, 0, 8) == []  # without the request: forced text only
     req = _layout_request(0, text, tokenizer)
     drafter.prepare(decoder.backend, req.structured_output)
     drafts = drafter.propose(decoder, 0, 8, req)
     assert drafts == drafter.draft_tokens(layout_text, 8) and drafts
-    assert decoder._matchers[0].num_accepted_tokens == len(req.output_token_ids)  # rolled back
+    assert decoder.record(0).matcher.num_accepted_tokens == len(req.output_token_ids)  # rolled back
     # the output leaves the layout: a second newline after the comma is no json.dumps layout
     req.output_token_ids = req.output_token_ids + encode(tokenizer, "\n")
     assert decoder.accept_token(0, req.output_token_ids[-1])
@@ -219,7 +219,7 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
     drafter = GrammarDrafter(tokenizer, VOCAB)
     params = StructuredOutputsParams.from_request({"json": SCHEMA})
     xgrammar = backend.backends["xgrammar"]
-    decoder = SpeculativeGuidedDecoder(backend, VOCAB, 8)
+    decoder = GuidedDecoder(backend, VOCAB, 8)
     decoder.add_request(1, params)
     guides = len(xgrammar._cache)
     text = '{\n  "name": "Al",\n'
@@ -227,6 +227,9 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
         assert decoder.accept_token(1, token)
     assert drafter.propose(decoder, 1, 8, _layout_request(1, text, tokenizer)) == []  # a step never compiles
     drafter.prepare(backend, params)
+    decoder.add_request(1, params)  # the next request in the slot: a fresh record, with the compiled layouts
+    for token in encode(tokenizer, text):
+        assert decoder.accept_token(1, token)
     assert drafter.propose(decoder, 1, 8, _layout_request(1, text, tokenizer)) == drafter.draft_tokens('  "age": ', 8)
     assert len(xgrammar._layouts) == 4 and len(xgrammar._cache) == guides  # one per json.dumps layout, apart
     drafter.prepare(backend, params)

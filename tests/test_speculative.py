@@ -74,11 +74,11 @@ def spec_decoder(default_model_path):
     from transformers import AutoTokenizer
 
     from tpguide.guided import make_backend
-    from tpguide.guided.spec_decoder import SpeculativeGuidedDecoder
+    from tpguide.guided.decoder import GuidedDecoder
 
     tok = AutoTokenizer.from_pretrained(default_model_path)
     backend = make_backend("xgrammar", tok, 49152, [2])
-    return SpeculativeGuidedDecoder(backend, 49152, 2 * 4), tok
+    return GuidedDecoder(backend, 49152, 2 * 4), tok
 
 
 def _ids(tok, text):
@@ -98,7 +98,7 @@ def test_fill_with_drafts_guides_the_accepted_drafts_and_rolls_back_at_once(spec
     allowed = unpack_bitmask(bitmask, 49152)
     assert allowed[0, b] and not allowed[0, c]  # after "a"
     assert allowed[1, c] and allowed[2, a]  # after "ab", after "abc"
-    assert decoder._matchers[0].num_accepted_tokens == 1  # rolled back at once: "a" only
+    assert decoder.record(0).matcher.num_accepted_tokens == 1  # rolled back at once: "a" only
     assert decoder.accepted_prefix(0, [b, c, x, a]) == [b, c]
     assert decoder.accept_token(0, b) and decoder.accept_token(0, c)  # the verified window, then on
 
@@ -112,7 +112,7 @@ def test_fill_with_a_stop_token_drafted_leaves_the_rest_unguided(spec_decoder):
     assert decoder.accept_token(1, a)
     bitmask, mask, dead = decoder.fill_bitmask_with_drafts([(1, [b, c, 2, a])])
     assert dead == [] and mask.tolist() == [1, 1, 1, 0, 0]  # row 3 follows the stop token
-    assert not decoder.is_terminated(1) and decoder._matchers[1].num_accepted_tokens == 1
+    assert not decoder.is_terminated(1) and decoder.record(1).matcher.num_accepted_tokens == 1
     assert decoder.accepted_prefix(1, [b, c, 2, a]) == [b, c, 2]  # nothing after the stop token
 
 

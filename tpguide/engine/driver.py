@@ -41,6 +41,7 @@ from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.guided.admission import admit
 from tpguide.guided.compile_service import CompileService
 from tpguide.guided.schema_check import validate_output
+from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 from tpguide.worker.protocol import StepResult
@@ -65,8 +66,8 @@ def tokenize_prompt(tokenizer, req: Request) -> List[int]:
     return list(tokenizer(req.prompt)["input_ids"])
 
 
-def admit_request(req: Request, tokenizer, config, compile_guide: Callable) -> None:
-    """Prepare ``req`` to run: prompt ids, seed, compiled guide.
+def admit_request(req: Request, tokenizer, config, compile_guide: Callable, reasoning=None) -> None:
+    """Prepare ``req`` to run: prompt ids, seed, compiled guide, whether it thinks.
 
     Parameters
     ----------
@@ -80,13 +81,16 @@ def admit_request(req: Request, tokenizer, config, compile_guide: Callable) -> N
     compile_guide : callable
         ``compile_guide(StructuredOutputsParams)``: compiles (and caches) the
         guide; raises ``ValueError`` for one that does not compile.
+    reasoning : ReasoningParser, optional
+        The engine's (docs/reasoning.md); ``req.thinks`` is set unless the
+        prompt closes the think block.
 
     Raises
     ------
     ValueError
         Empty prompt, prompt + ``max_tokens`` over ``max_model_len``, bad
-        sampling values, a guide that does not compile (the message names
-        the values).
+        sampling values, a guide that does not compile, ``thinking_token_budget``
+        without a reasoning parser (the message names the values).
     """
     if req.prompt is not None and not req.prompt.strip():
         raise ValueError(f"the prompt is empty or whitespace only: {req.prompt!r}")
@@ -102,6 +106,10 @@ def admit_request(req: Request, tokenizer, config, compile_guide: Callable) -> N
             f"{total} exceeds max_model_len={limit}"
         )
     _check_stop_and_penalties(req, len(tokenizer), config)
+    if reasoning is None and req.sampling_params.thinking_token_budget is not None:
+        raise ValueError(f"thinking_token_budget={req.sampling_params.thinking_token_budget} needs a reasoning "
+                         f"model (reasoning_parser={config.reasoning_parser!r} found no think tokens)")
+    req.thinks = reasoning is not None and reasoning.starts_thinking(ids)
     if req.structured_output is not None:
         compile_guide(req.structured_output)
     if req.sampling_params.seed is not None:
@@ -167,11 +175,14 @@ class Driver:
     config : EngineConfig
     num_kv_blocks : int
         Blocks in the ranks' KV pool (``config.block_size`` tokens each).
+    reasoning : ReasoningParser, optional
+        The think-block tokens (:func:`tpguide.guided.reasoning.resolve_reasoning_parser`); None: off.
     """
 
     def __init__(self, tokenizer, stop_token_ids: Sequence[int], padded_vocab_size: int, config,
-                 num_kv_blocks: int) -> None:
+                 num_kv_blocks: int, reasoning=None) -> None:
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.config = config
         self.padded_vocab_size = padded_vocab_size
         self.guided: Optional[GuidedDecoder] = None  # built on the first guided request (takes a few seconds)
@@ -215,14 +226,8 @@ class Driver:
         if self.guided is None:
             backend = make_backend(self.config.guided_backend, self.tokenizer, self.padded_vocab_size,
                                    sorted(self.stop_token_ids), json_whitespace=self.config.json_whitespace)
-            if self.spec is None:
-                self.guided = GuidedDecoder(backend, self.padded_vocab_size, self.config.max_num_seqs)
-            else:  # 1 + K rows per request
-                from tpguide.guided.spec_decoder import SpeculativeGuidedDecoder
-
-                self.guided = SpeculativeGuidedDecoder(
-                    backend, self.padded_vocab_size,
-                    self.config.max_num_seqs * (1 + self.config.num_speculative_tokens))
+            self.guided = GuidedDecoder(backend, self.padded_vocab_size,  # 1 + K rows per request
+                                        self.config.max_num_seqs * (1 + self.config.num_speculative_tokens))
         return self.guided
 
     def tokenize(self, req: Request) -> List[int]:
@@ -239,7 +244,7 @@ class Driver:
         """
         if not req.is_finished:
             try:
-                admit_request(req, self.tokenizer, self.config, self._submit_guide(req))
+                admit_request(req, self.tokenizer, self.config, self._submit_guide(req), self.reasoning)
                 self._check_fits_kv_cache(req)
             except ValueError as exc:
                 req.fail(str(exc))
@@ -360,9 +365,11 @@ class Driver:
             return None
         for s in scheduled:
             req = s.request
-            if s.is_new and req.structured_output is not None:  # from the prompt's end, cached prefix or not
+            if s.is_new and req.has_grammar_state:  # from the prompt's end, cached prefix or not
+                thinking = (Thinking(self.reasoning.end_token_id, req.sampling_params.thinking_token_budget)
+                            if req.thinks else None)
                 try:
-                    self.guided_decoder().add_request(s.slot, req.structured_output)
+                    self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
                 except ValueError as exc:
                     req.fail(str(exc))
         if draft is not None:
@@ -380,7 +387,8 @@ class Driver:
         requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
                                  max_drafts=s.num_draft_tokens,
                                  guided=(self.guided is not None and s.request.structured_output is not None
-                                         and self.guided.is_guided(s.slot)),
+                                         and self.guided.is_guided(s.slot)
+                                         and not self.guided.record(s.slot).is_thinking),
                                  block_table=list(s.request.block_ids))
                     for s in drafting]
         found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
@@ -390,10 +398,7 @@ class Driver:
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
-        if self.spec is not None:
-            token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
-        else:
-            token_bitmask, token_mask, failed = self.guided.fill_bitmask(planned.guided_slots)
+        token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
         return Filled(token_bitmask, token_mask, list(failed))
@@ -425,7 +430,7 @@ class Driver:
     def _release(self, req: Request) -> None:
         """Free the slot, bitmask row, matcher and KV blocks of a finished request (idempotent)."""
         if self.scheduler.holds_slot(req):
-            if self.guided is not None and req.structured_output is not None:
+            if self.guided is not None:
                 self.guided.remove_request(req.slot)
             self.scheduler.release(req)
 
@@ -438,14 +443,26 @@ class Driver:
                             num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
     # ------------------------------------------------------------ outputs
+    def _texts(self, req: Request) -> Tuple[Optional[str], str]:
+        """``(reasoning, text)`` of ``req`` now: the think block and the answer (docs/reasoning.md), or (None, all).
+
+        A stop string's cut (an offset in the whole output's text) cuts the answer, the reasoning kept whole.
+        """
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""  # noqa: E731
+        ids = req.output_token_ids
+        reasoning, answer = (None, ids) if not req.thinks else self.reasoning.split(ids)
+        text = decode(answer or [])
+        if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it
+            before = len(decode(ids)) - len(text)  # the whole output's text up to the answer
+            text = text[:max(0, req.stop_text_cut - before)]
+        return (decode(reasoning) if reasoning is not None else None), text
+
     def output_of(self, req: Request) -> RequestOutput:
         """``req``'s output now: the delta since the last report plus the totals."""
         ids = req.output_token_ids
         start = req.num_reported_tokens
         req.num_reported_tokens = len(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-        if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it
-            text = text[:req.stop_text_cut]
+        reasoning, text = self._texts(req)
         if req.finish_reason == "stop" and req.structured_output is not None:
             invalid = validate_output(req.structured_output, text)  # the last line of defence (fail closed)
             if invalid is not None:
@@ -454,7 +471,7 @@ class Driver:
         want_logprobs = bool(req.sampling_params.logprobs)
         return RequestOutput(
             request_id=req.request_id, index=req.index,
-            new_token_ids=list(ids[start:]), token_ids=list(ids), text=text,
+            new_token_ids=list(ids[start:]), token_ids=list(ids), text=text, reasoning=reasoning,
             finish_reason=req.finish_reason, error=req.error,
             num_prompt_tokens=len(req.prompt_token_ids),
             new_logprobs=list(req.output_logprobs[start:]) if want_logprobs else None,

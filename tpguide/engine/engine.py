@@ -140,6 +140,10 @@ class EngineConfig:
         supported (tp 1, ``tp_invariant``; :mod:`tpguide.worker.cuda_graphs`).
         False (the default): every step eagerly, the CUDA path measured on an
         H200 (docs/gpu.md "Results").  No effect on CPU.
+    reasoning_parser : {"auto", "qwen3", "deepseek_r1", "none"}
+        The think block of reasoning models (docs/reasoning.md): ``auto`` is
+        on when the tokenizer has ``<think>`` and ``</think>`` as single
+        tokens; a named parser on a tokenizer without them fails the start.
     """
 
     max_num_seqs: int = 16
@@ -162,8 +166,14 @@ class EngineConfig:
     draft_vocab_size: int = 8192
     draft_lens: bool = True
     cuda_graphs: bool = False
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        from tpguide.guided.reasoning import REASONING_PARSERS
+
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         _check_speculative(self.speculative_method, self.num_speculative_tokens, self.grammar_draft)
         if self.num_speculative_tokens is None:  # resolved once, before anyone reads it
             object.__setattr__(self, "num_speculative_tokens", 0 if self.speculative_method is None else 4)
@@ -241,6 +251,8 @@ class Engine:
         Every end token of the model and its chat template (driver only).
     draft_head : DraftHead, optional
         This rank's drafter; required with ``speculative_method="draft-head"``.
+    reasoning : ReasoningParser, optional
+        The think-block tokens (driver only; docs/reasoning.md); None: off.
 
     Raises
     ------
@@ -249,7 +261,7 @@ class Engine:
     """
 
     def __init__(self, model, group: TPGroup, config: EngineConfig, tokenizer=None,
-                 stop_token_ids: Optional[Sequence[int]] = None, draft_head=None) -> None:
+                 stop_token_ids: Optional[Sequence[int]] = None, draft_head=None, reasoning=None) -> None:
         if (config.speculative_method == "draft-head") != (draft_head is not None):
             raise ValueError(f"a draft head is needed exactly with speculative_method='draft-head', got "
                              f"speculative_method={config.speculative_method!r} and draft_head={draft_head!r}")
@@ -263,7 +275,7 @@ class Engine:
         grammar_tables = None
         if group.is_driver:
             self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
-                                 num_blocks)
+                                 num_blocks, reasoning=reasoning)
             # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
             # second) are built now, beside the KV pool's allocation, not in the first guided request
             grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
@@ -458,6 +470,7 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     ValueError
         Missing model directory, unusable tp size, checkpoint/config mismatch.
     """
+    from tpguide.guided.reasoning import resolve_reasoning_parser
     from tpguide.model.loader import load_model
     from tpguide.model.model_source import resolve_model_dir
 
@@ -467,7 +480,7 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     if not Path(model_dir).is_dir():
         raise ValueError(f"model directory {model_dir!r} does not exist")
     ModelConfig.from_pretrained(model_dir).check_tp_size(group.tp_size)
-    tokenizer = stop_ids = error = None
+    tokenizer = stop_ids = error = reasoning = None
     if group.is_driver:
         try:
             from transformers import AutoTokenizer
@@ -478,6 +491,11 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
             stop_ids = collect_stop_token_ids(tokenizer, model_dir)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
             error = f"cannot load the tokenizer from {model_dir!r}: {type(exc).__name__}: {exc}"
+        if error is None:
+            try:
+                reasoning = resolve_reasoning_parser(config.reasoning_parser, tokenizer)
+            except ValueError as exc:
+                error = str(exc)
     tokenizer_vocab_size, all_stop_ids, error = C.broadcast_object(
         (producible_vocab_size(tokenizer) if tokenizer is not None else None, stop_ids, error), group)
     if error is not None:
@@ -494,7 +512,8 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
             raise ValueError(f"draft_num_layers={num_layers} exceeds the model's {num_hidden} layers")
         draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids,
                                       lens=config.draft_lens, tokenizer=tokenizer)
-    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head)
+    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head,
+                  reasoning=reasoning)
 
 
 def generate_on_group(group: TPGroup, model_dir: Optional[str], request_dicts: Sequence[Dict[str, Any]],

@@ -119,9 +119,10 @@ class StepFinisher:
 
         Each token goes through :meth:`_append`, the matcher accepting it as any
         output token: the bitmask fill rolled its drafts back at once
-        (:mod:`tpguide.guided.spec_decoder`), so nothing is rolled back here.
+        (:mod:`tpguide.guided.decoder`), so nothing is rolled back here.
         """
-        verdict = self.spec.verify(drafts, result.token_ids, first_row, req.slot)
+        record = guided.record(req.slot) if guided is not None else None
+        verdict = self.spec.verify(drafts, result.token_ids, first_row, forced=record is not None and record.forced)
         req.num_computed_tokens -= len(drafts) - verdict.num_accepted  # rejected positions: overwritten later
         for token, row in zip(verdict.token_ids, verdict.rows):
             if result.bad_rows[row]:
@@ -142,7 +143,7 @@ class StepFinisher:
                 "top": [[int(i), float(v)] for i, v in
                         zip(result.top_logprob_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist())],
             })
-        if req.structured_output is not None and guided is not None:
+        if req.has_grammar_state and guided is not None:  # its record: thinking, then the matcher
             try:
                 if not guided.accept_token(req.slot, token):
                     req.fail(f"grammar matcher rejected token {token} at step {step}")

@@ -69,12 +69,12 @@ def planned_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> Plann
     """The :class:`PlannedStep` of ``scheduled`` (their drafts already filled in).
 
     A request is guided this step when its sample is used and it has a
-    structured output and is not finished (a request that failed at
+    structured output (or thinks under a budget, docs/reasoning.md) and is not finished (a request that failed at
     scheduling keeps its rows, unguided, and its sample is discarded).
     """
     scheduled = list(scheduled)
     guided_slots = [
-        s.slot if (s.samples and s.request.structured_output is not None and not s.request.is_finished) else None
+        s.slot if (s.samples and s.request.has_grammar_state and not s.request.is_finished) else None
         for s in scheduled
     ]
     first_rows = [0]

@@ -56,6 +56,10 @@ class SamplingParams:
     logit_bias : tuple of (int, float)
         ``(token_id, bias)`` pairs, bias in [-100, 100], added to the logits
         (a ``{"token_id": bias}`` dict is accepted).
+    thinking_token_budget : int or None
+        A reasoning request (docs/reasoning.md) thinks at most this many
+        tokens, then ``</think>`` is forced; None = no limit.  ``max_tokens``
+        counts every token.
 
     Raises
     ------
@@ -76,6 +80,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Any = ()
+    thinking_token_budget: Optional[int] = None
 
     @property
     def has_penalties(self) -> bool:
@@ -103,6 +108,9 @@ class SamplingParams:
                 isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
                 or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be null or an int in [0, 20], got {self.prompt_logprobs!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"thinking_token_budget must be null or an int >= 0, got {budget!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
@@ -179,10 +187,17 @@ class Request:
     num_reported_tokens: int = 0
     stop_text_cut: Optional[int] = None  # output text length when a stop string finished the request
     guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
+    thinks: bool = False  # set at admission: it starts inside a think block (docs/reasoning.md)
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def has_grammar_state(self) -> bool:
+        """Its rows are masked: a guide, or thinking under a budget (a record in the guided decoder)."""
+        return self.structured_output is not None or (
+            self.thinks and self.sampling_params.thinking_token_budget is not None)
 
     @property
     def num_tokens(self) -> int:
@@ -231,7 +246,11 @@ class RequestOutput:
     token_ids : list of int
         Every generated token so far.
     text : str
-        ``token_ids`` detokenized (special tokens skipped).
+        ``token_ids`` detokenized (special tokens skipped); for a request that
+        thinks, the answer after ``</think>`` only.
+    reasoning : str or None
+        The text inside the think block (docs/reasoning.md); None for a
+        request that does not think.
     finish_reason : str or None
         None while running, then ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
     error : str or None
@@ -253,6 +272,7 @@ class RequestOutput:
     new_token_ids: List[int] = field(default_factory=list)
     token_ids: List[int] = field(default_factory=list)
     text: str = ""
+    reasoning: Optional[str] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     num_prompt_tokens: int = 0
@@ -273,9 +293,10 @@ class RequestOutput:
 
     def to_json(self) -> Dict[str, Any]:
         """The output line: ``{"id", "text", "token_ids", "finish_reason", "error", "num_prompt_tokens"}``
-        (+ ``"logprobs"`` / ``"prompt_logprobs"`` when asked)."""
+        (+ ``"logprobs"`` / ``"prompt_logprobs"`` when asked, ``"reasoning"`` for a request that thinks)."""
         out = {
             "id": self.request_id,
+            **({"reasoning": self.reasoning} if self.reasoning is not None else {}),
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
@@ -294,6 +315,6 @@ class RequestOutput:
     def from_json(cls, obj: Dict[str, Any], index: int = 0) -> "RequestOutput":
         """The output of one stored line (``--resume``); unknown keys are dropped."""
         return cls(request_id=str(obj["id"]), index=index, token_ids=list(obj.get("token_ids", [])),
-                   text=obj.get("text", ""), finish_reason=obj.get("finish_reason"), error=obj.get("error"),
+                   text=obj.get("text", ""), reasoning=obj.get("reasoning"), finish_reason=obj.get("finish_reason"), error=obj.get("error"),
                    num_prompt_tokens=obj.get("num_prompt_tokens", 0), logprobs=obj.get("logprobs"),
                    prompt_logprobs=obj.get("prompt_logprobs"))

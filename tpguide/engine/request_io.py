@@ -10,7 +10,8 @@
      "seed": int, "logprobs": int, "prompt_logprobs": int | null, "ignore_eos": bool,
      "stop": [str], "presence_penalty": float, "frequency_penalty": float,
      "repetition_penalty": float, "logit_bias": {"token_id": float},
-     "chat_template_kwargs": {name: value} | null}   # vLLM's name, e.g. {"enable_thinking": false}
+     "chat_template_kwargs": {name: value} | null,   # vLLM's name, e.g. {"enable_thinking": false}
+     "thinking_token_budget": int | null}           # reasoning models (docs/reasoning.md)
 
 A line that cannot be parsed or validated becomes a request that is already
 finished with ``finish_reason="error"``: it still gets its output line, in
@@ -45,11 +46,12 @@ from tpguide.engine.request import Request, RequestOutput, SamplingParams
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
      "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "stop", "presence_penalty",
-     "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs"}
+     "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs",
+     "thinking_token_budget"}
 )
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
                     "ignore_eos", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logit_bias")
+                    "logit_bias", "thinking_token_budget")
 
 
 def request_from_dict(obj: Any, index: int, default_max_tokens: int) -> Request:

@@ -3,7 +3,7 @@
 ``params`` parses a request's guide, ``admission`` builds the xgrammar,
 llguidance or ``auto`` backend for the tokenizer (:func:`make_backend`) and
 admits each guide (fail-closed checks, compile off the step loop),
-``decoder`` holds ``GuidedDecoder`` (one matcher per slot, fills the
+``decoder`` holds ``GuidedDecoder`` (one record per slot, fills the
 bitmask), ``bitmask`` the bitmask helpers, the dead-end check and the per-rank split.  The backends are
 imported lazily, so each is only needed when chosen.  Nothing here runs a
 function on import; the names below are re-exported.

@@ -1,37 +1,61 @@
-"""The matchers of the guided slots: one fresh matcher per slot, filling the bitmask rows (driver only).
+"""The matchers of the guided slots, one record per slot, filling ``1 + k`` bitmask rows per request (driver only).
 
-docs/architecture.md §5.  Each step the engine (on the driver, tp_rank 0)::
+docs/architecture.md §5.  The plain step is the speculative one with no
+drafts.  A request that thinks (docs/reasoning.md) gets its thinking rows
+from :mod:`tpguide.guided.thinking` until ``</think>``, also inside a
+verify window, and grammar rows from the next row on.  Each step the engine (on the driver, tp_rank 0)::
 
-    decoder.accept_token(slot, last_token)           # advance by last step's token
-    token_bitmask, token_mask, dead_rows = decoder.fill_bitmask(slots)
+    token_bitmask, token_mask, dead_rows = decoder.fill_bitmask_with_drafts(entries)
     fail requests of dead_rows (decoder.failure_reason(slot)); split_bitmask; scatter
+    decoder.accept_token(slot, token)      # each verified output token (engine/finisher.py)
 
-Row ``i`` belongs to ``slots[i]``.  A slot is the engine's batch slot, reused
-by later requests: :meth:`GuidedDecoder.add_request` always starts from a
-fresh matcher, so a request never sees a previous request's grammar state.
-Compiled grammars are shared through the backend's cache.
+The verify fill, ``1 + k`` consecutive rows per request (``k`` drafts, 0 in
+a plain step), follows the rollback discipline of
+:mod:`tpguide.guided.draft_cursor`::
 
-Rows are filled in a thread pool when more than ``parallel_threshold`` rows
-are guided (both backends release the GIL while filling).  One row costs tens
-of microseconds, so the default threshold is 32 rows: the pool is for big
-batches and costly grammars on many-core drivers.
+    row 0   state after the verified tokens          (fill)
+    row j   state after d_1 .. d_j                   (accept d_j, fill)
+            stop at the first draft the grammar rejects, at a stop token
+            or at a dead end: the later rows are unguided
+    then    roll the matcher back at once
+
+Rows past the last filled one are unguided: the target can never reach them
+as its bonus row, because row ``m`` forbids ``d_{m+1}`` (or the request
+stopped at ``d_m``).  The drafters ask through :meth:`GuidedDecoder.drafting`
+(grammar drafts, :mod:`tpguide.speculative.grammar_draft`),
+:meth:`~GuidedDecoder.accepted_prefix` (n-gram drafts) and
+:meth:`~GuidedDecoder.fill_draft_bitmask` (the draft head,
+:mod:`tpguide.speculative.draft_loop`).
+
+A slot is the engine's batch slot, reused by later requests:
+:meth:`GuidedDecoder.add_request` always starts a fresh
+:class:`~tpguide.guided.slot_record.SlotRecord`.  Compiled grammars are
+shared through the backend's cache.  Requests are filled in a thread pool
+when more than ``parallel_threshold`` rows are filled (both backends release
+the GIL while filling); one row costs tens of microseconds, so the default
+threshold is 32 rows: the pool is for big batches and costly grammars on
+many-core drivers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from tpguide.guided.bitmask import allocate_token_bitmask, find_dead_end_rows
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.draft_cursor import DraftCursor, drafting
+from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.slot_record import SlotRecord
+from tpguide.guided.thinking import Thinking, ThinkingRows
 
 
 class GuidedDecoder:
-    """Matchers of the guided slots and the bitmask they fill.
+    """The guided slots' records and the bitmask they fill.
 
     Parameters
     ----------
@@ -40,11 +64,11 @@ class GuidedDecoder:
     padded_vocab_size : int
         Bitmask width in tokens.
     max_num_rows : int
-        Most rows one :meth:`fill_bitmask` call may ask for.
+        Most rows one fill may ask for: ``max_num_seqs * (1 + num_speculative_tokens)``.
     num_threads : int, optional
         Fill threads; default ``min(8, os.cpu_count())``.  1 disables the pool.
     parallel_threshold : int
-        Use the pool when more rows than this are guided (default 32).
+        Use the pool when more rows than this are filled (default 32).
     pin_memory : bool
         Allocate the returned bitmask in page-locked memory.
 
@@ -78,14 +102,19 @@ class GuidedDecoder:
         self.parallel_threshold = parallel_threshold
         self._token_bitmask = allocate_token_bitmask(max_num_rows, padded_vocab_size, pin_memory=pin_memory)
         self._token_mask = torch.zeros(max_num_rows, dtype=torch.int32, pin_memory=pin_memory)
-        self._matchers: dict[int, GrammarMatcher] = {}
-        self._failures: dict[int, str] = {}
+        self._records: dict[int, SlotRecord] = {}
+        self._thinking_rows: dict[int, ThinkingRows] = {}  # by end token id
         self._pool: Optional[ThreadPoolExecutor] = None
 
     # ---- slots -----------------------------------------------------------------
 
-    def add_request(self, slot: int, params: Optional[StructuredOutputsParams]) -> None:
+    def add_request(self, slot: int, params: Optional[StructuredOutputsParams],
+                    thinking: Optional[Thinking] = None) -> None:
         """Start ``slot``'s request from its grammar's initial state (``None``: unguided).
+
+        ``thinking``: the request starts thinking (docs/reasoning.md); its
+        grammar applies after ``</think>``.  An unguided request gets a
+        record only with ``thinking`` (its budget's rows).
 
         Raises
         ------
@@ -94,30 +123,41 @@ class GuidedDecoder:
             the slot is then unguided.
         """
         self.remove_request(slot)
-        if params is None:
+        if params is None and thinking is None:
             return
-        try:
-            matcher = self.backend.matcher(self.backend.compile(params))
-        except Exception as exc:
-            raise ValueError(f"slot {slot}: {exc}") from exc
-        self._matchers[slot] = matcher
+        matcher = None
+        if params is not None:
+            try:
+                matcher = self.backend.matcher(self.backend.compile(params))
+            except Exception as exc:
+                raise ValueError(f"slot {slot}: {exc}") from exc
+        if thinking is not None and thinking.end_token_id not in self._thinking_rows:
+            self._thinking_rows[thinking.end_token_id] = ThinkingRows(
+                self.padded_vocab_size, self.backend.stop_token_ids, thinking.end_token_id)
+        self._records[slot] = SlotRecord(matcher, thinking=thinking)
 
     def remove_request(self, slot: int) -> None:
-        """Forget ``slot``'s matcher and failure; no-op for an unguided slot."""
-        self._matchers.pop(slot, None)
-        self._failures.pop(slot, None)
+        """Forget ``slot``'s record; no-op for an unguided slot."""
+        self._records.pop(slot, None)
+
+    def record(self, slot: int) -> Optional[SlotRecord]:
+        """``slot``'s record, None for an unguided slot."""
+        return self._records.get(slot)
 
     def is_guided(self, slot: int) -> bool:
-        return slot in self._matchers
+        """``slot`` holds a request with a grammar (it may still be thinking)."""
+        record = self._records.get(slot)
+        return record is not None and record.matcher is not None
 
     def failure_reason(self, slot: int) -> Optional[str]:
         """Why ``slot``'s request failed (dead end, rejected token, matcher error), else None."""
-        return self._failures.get(slot)
+        record = self._records.get(slot)
+        return record.failure if record is not None else None
 
-    # ---- per step --------------------------------------------------------------
+    # ---- verified tokens ---------------------------------------------------------
 
     def accept_token(self, slot: int, token_id: int) -> bool:
-        """Advance ``slot``'s matcher by ``token_id``; True for an unguided slot.
+        """Advance ``slot``'s record by a verified token (its thinking, else its matcher); True for an unguided slot.
 
         Returns
         -------
@@ -130,40 +170,230 @@ class GuidedDecoder:
         ValueError
             The matcher raised; the message names the slot.
         """
-        matcher = self._matchers.get(slot)
-        if matcher is None:
+        record = self._records.get(slot)
+        if record is not None and record.is_thinking:
+            record.thinking.accept(token_id)
+            return True
+        if record is None or record.matcher is None:
             return True
         try:
-            ok = matcher.accept_token(token_id)
+            ok = record.matcher.accept_token(token_id)
         except Exception as exc:
-            self._failures[slot] = f"slot {slot}: matcher error on token {token_id}: {exc}"
-            raise ValueError(self._failures[slot]) from exc
+            record.failure = f"slot {slot}: matcher error on token {token_id}: {exc}"
+            raise ValueError(record.failure) from exc
         if not ok:
-            self._failures[slot] = f"slot {slot}: grammar rejected token {token_id}"
+            record.failure = f"slot {slot}: grammar rejected token {token_id}"
         return ok
 
     def rollback(self, slot: int, num_tokens: int) -> None:
-        """Undo ``slot``'s last ``num_tokens`` accepted tokens (speculative decoding).
+        """Undo ``slot``'s last ``num_tokens`` accepted tokens.
 
         Raises
         ------
         ValueError
             ``num_tokens`` negative or more than accepted, or the matcher raised.
         """
-        matcher = self._matchers.get(slot)
-        if matcher is None:
+        record = self._records.get(slot)
+        if record is None or record.matcher is None:
             return
         try:
-            matcher.rollback(num_tokens)
+            record.matcher.rollback(num_tokens)
         except Exception as exc:
             raise ValueError(f"slot {slot}: {exc}") from exc
 
     def is_terminated(self, slot: int) -> bool:
-        """True once ``slot``'s matcher accepted a stop token; False for unguided slots."""
-        matcher = self._matchers.get(slot)
-        return matcher is not None and matcher.is_terminated()
+        """True once ``slot``'s answer's matcher accepted a stop token; False for unguided slots."""
+        record = self._records.get(slot)
+        return (record is not None and record.matcher is not None and not record.is_thinking
+                and record.matcher.is_terminated())
 
-    def _reset_rows(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- drafts ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def drafting(self, slot: int) -> Iterator[DraftCursor]:
+        """A cursor on ``slot``'s matcher, rolled back when the block ends (:func:`~tpguide.guided.draft_cursor.drafting`).
+
+        Raises
+        ------
+        KeyError
+            ``slot`` is not guided.
+        ValueError
+            The rollback failed (an engine bug).
+        """
+        with drafting(self._records[slot].matcher) as cursor:
+            yield cursor
+
+    @staticmethod
+    def _cursor(record: SlotRecord):
+        """A cursor on ``record``'s matcher (rolled back at the end), or None for an unguided record."""
+        return drafting(record.matcher) if record.matcher is not None else contextlib.nullcontext()
+
+    def accepted_prefix(self, slot: int, drafts: Sequence[int]) -> List[int]:
+        """The longest prefix of ``drafts`` the rows allow from ``slot``'s state, ending at a stop token.
+
+        Thinking drafts pass the thinking rows (:mod:`tpguide.guided.thinking`),
+        the drafts after a drafted ``</think>`` the grammar.  The record is
+        unchanged afterwards; a slot without a record accepts every draft.
+        """
+        record = self._records.get(slot)
+        if record is None:
+            return list(drafts)
+        accepted: List[int] = []
+        walk = record.thinking.walk() if record.is_thinking else None
+        rows = self._thinking_rows.get(walk.end_token_id) if walk is not None else None
+        with self._cursor(record) as cursor:
+            for token in drafts:
+                if walk is not None and not walk.ended:
+                    if not walk.allows(token, rows.stop_token_ids, guided=cursor is not None):
+                        break
+                    walk.advance(token)
+                elif cursor is not None:
+                    if not cursor.accept(token):
+                        break
+                    if cursor.matcher.is_terminated():
+                        accepted.append(int(token))
+                        break
+                accepted.append(int(token))
+        return accepted
+
+    # ---- the fill ----------------------------------------------------------------
+
+    def fill_bitmask(self, slots: Sequence[Optional[int]]) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """One row per entry of ``slots``: :meth:`fill_bitmask_with_drafts` with no drafts."""
+        return self.fill_bitmask_with_drafts([(slot, ()) for slot in slots])
+
+    def fill_bitmask_with_drafts(
+        self, entries: Sequence[Tuple[Optional[int], Sequence[int]]]
+    ) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """Fill ``1 + len(drafts)`` rows per entry (fill, accept, roll back at once: the module docstring).
+
+        Parameters
+        ----------
+        entries : sequence of (slot or None, drafts)
+            One per scheduled request, in sample-row order; ``slot`` None (or
+            unguided) gives all-ones rows with ``token_mask`` 0.
+
+        Returns
+        -------
+        token_bitmask : torch.Tensor
+            int32 ``[num_rows, bitmask_size]``, CPU, ``num_rows = sum(1 + k)``.
+            A terminated matcher's row allows only the stop tokens.
+        token_mask : torch.Tensor
+            int32 ``[num_rows]``; 1 on rows filled with a grammar mask.
+        dead_rows : list of int
+            Rows ``0`` of requests whose current state is a dead end (no
+            allowed token below ``padded_vocab_size``, checked on full rows)
+            or whose matcher raised; they are returned reset to all ones with
+            ``token_mask`` 0, so no all ``-inf`` row reaches softmax, and the
+            engine fails those requests (:meth:`failure_reason`).  A dead end
+            after a draft only ends guidance for the rest of the window.
+
+        Both tensors are views of buffers reused by the next call: scatter or
+        copy them before calling again.
+
+        Raises
+        ------
+        ValueError
+            More than ``max_num_rows`` rows; a matcher that cannot roll its drafts back.
+        """
+        num_rows = sum(1 + len(d) for _, d in entries)
+        token_bitmask, token_mask = self._reset_rows(num_rows)
+        jobs, row = [], 0
+        for slot, drafts in entries:
+            if slot is not None and slot in self._records:
+                jobs.append((slot, list(drafts), row))
+            row += 1 + len(drafts)
+
+        def fill(job: tuple) -> tuple:
+            slot, drafts, first = job
+            return slot, first, self._fill_slot(slot, drafts, token_bitmask, token_mask, first)
+
+        dead_rows: List[int] = []
+        for slot, first, error in self._map(fill, jobs, num_rows):
+            if error is not None:
+                self._records[slot].failure = error
+                token_bitmask[first] = -1
+                token_mask[first] = 0
+                dead_rows.append(first)
+        return token_bitmask, token_mask, sorted(dead_rows)
+
+    def _fill_slot(self, slot: int, drafts: List[int], token_bitmask: torch.Tensor,
+                   token_mask: torch.Tensor, first: int) -> Optional[str]:
+        """Fill rows ``first .. first + len(drafts)`` of ``slot``; the error message of row 0, else None.
+
+        Thinking rows until ``</think>`` (the verified state, then the
+        drafts), grammar rows after it; rows after a draft that its row
+        forbids are left unguided (the target can never reach them).
+        """
+        record = self._records[slot]
+        walk = record.thinking.walk() if record.is_thinking else None
+        rows = self._thinking_rows.get(walk.end_token_id) if walk is not None else None
+        with self._cursor(record) as cursor:
+            for j in range(len(drafts) + 1):
+                row = first + j
+                if j > 0 and walk is not None and not walk.ended:
+                    if not walk.allows(drafts[j - 1], rows.stop_token_ids, guided=cursor is not None):
+                        return None
+                    walk.advance(drafts[j - 1])
+                elif j > 0 and (cursor is None or not cursor.accept(drafts[j - 1])
+                                or cursor.matcher.is_terminated()):
+                    return None  # a rejected draft, or a stop token drafted: the request ends there if accepted
+                if walk is not None and not walk.ended:
+                    token_mask[row] = rows.fill(token_bitmask, row, walk, guided=cursor is not None)
+                    continue
+                if cursor is None:
+                    return None  # an unguided answer
+                matcher = cursor.matcher
+                try:
+                    matcher.fill_next_token_bitmask(token_bitmask, row)
+                except Exception as exc:
+                    token_bitmask[row] = -1
+                    return f"slot {slot}: matcher error while filling the bitmask: {exc}" if j == 0 else None
+                token_mask[row] = 1
+                if bool(find_dead_end_rows(token_bitmask[row : row + 1], self.padded_vocab_size)[0]):
+                    token_mask[row] = 0
+                    token_bitmask[row] = -1
+                    if j == 0:
+                        return (f"slot {slot}: grammar dead end, no allowed token below "
+                                f"padded_vocab_size={self.padded_vocab_size}")
+                    return None
+        return None
+
+    def fill_draft_bitmask(self, slots: Sequence[Optional[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One full row per drafting request from its matcher's current state (draft head).
+
+        Parameters
+        ----------
+        slots : sequence of int or None
+            Row ``i`` belongs to ``slots[i]``; None or unguided: all ones,
+            ``token_mask`` 0.
+
+        Returns
+        -------
+        token_bitmask : torch.Tensor
+            int32 ``[len(slots), bitmask_size]``, CPU (a view of the reused
+            buffer: broadcast it before the next fill).  A row whose matcher
+            is terminated, dead or raised allows **nothing** (``token_mask`` 1),
+            so the drafter proposes no token there and the request stops
+            drafting; nothing is recorded as a failure (verification decides).
+        token_mask : torch.Tensor
+            int32 ``[len(slots)]``.
+        """
+        token_bitmask, token_mask = self._reset_rows(len(slots))
+        for row, slot in enumerate(slots):
+            record = self._records.get(slot) if slot is not None else None
+            if record is None or record.matcher is None or record.is_thinking:
+                continue
+            token_mask[row] = 1
+            try:
+                if record.matcher.is_terminated():
+                    raise RuntimeError("terminated")
+                record.matcher.fill_next_token_bitmask(token_bitmask, row)
+            except Exception:  # noqa: BLE001 - no draft for this row; verification reports errors
+                token_bitmask[row] = 0
+        return token_bitmask, token_mask
+
+    def _reset_rows(self, num_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first ``num_rows`` rows of the reused buffers, all allowed and unguided.
 
         Raises
@@ -178,71 +408,6 @@ class GuidedDecoder:
         token_bitmask.fill_(-1)
         token_mask.zero_()
         return token_bitmask, token_mask
-
-    def fill_bitmask(self, slots: Sequence[Optional[int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Fill one bitmask row per entry of ``slots``.
-
-        Parameters
-        ----------
-        slots : sequence of int or None
-            ``slots[i]`` owns row ``i``; ``None`` or an unguided slot gives an
-            all-ones row with ``token_mask`` 0.
-
-        Returns
-        -------
-        token_bitmask : torch.Tensor
-            int32 ``[len(slots), bitmask_size]``, CPU.  A terminated matcher's row
-            allows only the stop tokens.
-        token_mask : torch.Tensor
-            int32 ``[len(slots)]``, 1 for guided rows.
-        dead_rows : list of int
-            Guided rows with no allowed token below ``padded_vocab_size`` (checked
-            on full rows) or whose matcher raised.  These rows are returned reset
-            to all ones with ``token_mask`` 0, so no all ``-inf`` row reaches
-            softmax; the engine fails their requests (:meth:`failure_reason`)
-            and discards what they sample.
-
-        Both tensors are views of buffers reused by the next call: scatter or
-        copy them before calling again.
-
-        Raises
-        ------
-        ValueError
-            More than ``max_num_rows`` rows.
-        """
-        token_bitmask, token_mask = self._reset_rows(len(slots))
-        jobs = [
-            (row, slot, self._matchers[slot])
-            for row, slot in enumerate(slots)
-            if slot is not None and slot in self._matchers
-        ]
-        for row, _, _ in jobs:
-            token_mask[row] = 1
-        errors = self._fill_rows(token_bitmask, jobs)
-        dead = find_dead_end_rows(token_bitmask, self.padded_vocab_size, token_mask)
-        dead_rows = sorted(set(dead.nonzero().flatten().tolist()) | set(errors))
-        for row in dead_rows:
-            slot = slots[row]
-            self._failures[slot] = errors.get(row) or (
-                f"slot {slot}: grammar dead end, no allowed token below "
-                f"padded_vocab_size={self.padded_vocab_size}"
-            )
-            token_bitmask[row] = -1
-            token_mask[row] = 0
-        return token_bitmask, token_mask, dead_rows
-
-    def _fill_rows(self, token_bitmask: torch.Tensor, jobs: list) -> dict:
-        """Fill the rows of ``jobs`` ``(row, slot, matcher)``; returns ``{row: error message}``."""
-
-        def fill(job: tuple) -> tuple:
-            row, slot, matcher = job
-            try:
-                matcher.fill_next_token_bitmask(token_bitmask, row)
-            except Exception as exc:
-                return row, f"slot {slot}: matcher error while filling the bitmask: {exc}"
-            return row, None
-
-        return {row: error for row, error in self._map(fill, jobs, len(jobs)) if error is not None}
 
     def _map(self, fn: Callable, jobs: list, num_rows: int) -> list:
         """``[fn(job) for job in jobs]``, in the fill threads when more than ``parallel_threshold`` rows are filled.

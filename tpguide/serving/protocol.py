@@ -18,6 +18,12 @@ from typing import Any, Dict, List, Optional
 
 from tpguide.serving.chat_messages import render_messages
 from tpguide.serving.errors import bad_request, unsupported
+from tpguide.serving.reasoning_fields import (
+    CHAT_REASONING_FIELDS,
+    COMPLETION_REASONING_FIELDS,
+    include_reasoning,
+    reasoning_line_fields,
+)
 from tpguide.serving.tool_calls import ToolCallFormat, ToolPlan, plan_tools, tool_guide, tool_system_prompt
 
 #: Fields that do not change what is generated; accepted and not used.
@@ -28,8 +34,8 @@ _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "se
                      "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "response_format", "ignore_eos", "logprobs", "return_token_ids"})
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls", "modalities"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+                         "parallel_tool_calls", "modalities"} | CHAT_REASONING_FIELDS
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"} | COMPLETION_REASONING_FIELDS
 #: Legacy vLLM fields -> keys of the request line's ``structured_output``.
 LEGACY_GUIDES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -56,6 +62,8 @@ class ParsedRequest:
     tools : ToolPlan or None
     return_token_ids : bool
         vLLM's extension: each choice also carries its generated ``token_ids``.
+    include_reasoning : bool
+        A reasoning model's ``message.reasoning`` is returned (docs/reasoning.md).
     """
 
     endpoint: str
@@ -67,6 +75,7 @@ class ParsedRequest:
     logprobs: Optional[int]
     tools: Optional[ToolPlan]
     return_token_ids: bool = False
+    include_reasoning: bool = True
 
 
 def _int_field(body: Dict[str, Any], name: str, lo: int, hi: int) -> Optional[int]:
@@ -228,7 +237,7 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
                            tool_format)
         prompt = tool_system_prompt(tools) if tools is not None else None
         prompts = [{"messages": render_messages(body.get("messages"), tool_format, prompt)}]
-    base = _sampling_fields(body, endpoint)
+    base = {**_sampling_fields(body, endpoint), **reasoning_line_fields(body)}
     if logprobs is not None:  # the engine records logprobs for logprobs >= 1; 0 alternatives are cut later
         base["logprobs"] = max(logprobs, 1)
     guide = _guide(body, tools, backend)
@@ -244,7 +253,8 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
     return_ids = body.get("return_token_ids") or False
     if not isinstance(return_ids, bool):
         raise bad_request(f"return_token_ids must be true or false, got {return_ids!r}", "return_token_ids")
-    return ParsedRequest(endpoint, body["model"], lines, n, stream, include_usage, logprobs, tools, return_ids)
+    return ParsedRequest(endpoint, body["model"], lines, n, stream, include_usage, logprobs, tools, return_ids,
+                         include_reasoning=include_reasoning(body))
 
 
 def derived_seed(seed: Any, choice: int) -> Any:

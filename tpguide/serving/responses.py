@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from tpguide.serving.errors import APIError
 from tpguide.serving.protocol import ParsedRequest
+from tpguide.serving.reasoning_fields import with_reasoning
 from tpguide.serving.tool_calls import ToolPlan, new_call_id, parse_tool_output
 
 
@@ -128,7 +129,8 @@ def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any],
     choices = []
     for k, out in enumerate(outputs):
         if parsed.endpoint == "chat":
-            message, reason = chat_message(out.text, parsed.tools, out.finish_reason)
+            message, reason = chat_message(out.text, parsed.tools, out.finish_reason)  # the answer only
+            message = with_reasoning(message, getattr(out, "reasoning", None), parsed.include_reasoning)
             lp = chat_logprobs(out.logprobs or [], parsed.logprobs, token_text) if parsed.logprobs is not None \
                 else None
             choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": reason})

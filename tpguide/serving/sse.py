@@ -3,7 +3,8 @@
 :class:`ChoiceStream` turns one choice's engine outputs (token deltas) into
 chunk ``choices`` entries: text from the incremental detokenizer, held back
 while it could start a stop string, tool-call deltas under a tool plan,
-logprobs of the new tokens, and the finish reason in the last one.
+logprobs of the new tokens, and the finish reason in the last one.  A thinking
+request (docs/reasoning.md) sends its reasoning deltas before its content deltas.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from tpguide.serving.detokenizer import IncrementalDetokenizer, TextStream
 from tpguide.serving.protocol import ParsedRequest
+from tpguide.serving.reasoning_fields import ReasoningStream
 from tpguide.serving.responses import TokenText, chat_logprobs, completion_logprobs
 from tpguide.serving.tool_stream import ToolCallStream
 
@@ -43,6 +45,7 @@ class ChoiceStream:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = TextStream(stop or ())
         self.tools = ToolCallStream(parsed.tools) if parsed.tools is not None else None
+        self.reasoning = ReasoningStream()
         self.started = False
         self.num_tokens = 0
         self._text_offset = 0
@@ -69,9 +72,17 @@ class ChoiceStream:
             entries.append(self._entry({"role": "assistant", "content": ""}))
         self.started = True
         self.num_tokens = len(out.token_ids)
-        self.detok.add(out.new_token_ids)
         finished = out.finish_reason is not None
-        delta_text = self.text.finish(out.text) if finished else self.text.update(self.detok.text)
+        reasoning = getattr(out, "reasoning", None)  # None: the request did not think
+        if reasoning is None:
+            self.detok.add(out.new_token_ids)
+            so_far = self.detok.text
+        else:  # a thinking request: the engine's answer text (docs/reasoning.md), a cut character held back
+            so_far = out.text.rstrip("\ufffd")
+            thought = self.reasoning.delta(reasoning, finished)
+            if thought and self.parsed.include_reasoning and self.parsed.endpoint == "chat":
+                entries.append(self._entry({"reasoning": thought, "reasoning_content": thought}))
+        delta_text = self.text.finish(out.text) if finished else self.text.update(so_far)
         logprobs = self._logprobs(out.new_logprobs or [])
         reason = out.finish_reason if finished else None
         if self.tools is None:

@@ -6,7 +6,7 @@ the token budget); before the step's plan is built the engine runs up to
 ``K`` drafting iterations over the requests still drafting::
 
     driver   fill one FULL bitmask row per guided request from its matcher
-             state after the verified tokens and d_1 .. d_j  (spec_decoder)
+             state after the verified tokens and d_1 .. d_j  (guided/decoder.py)
              --broadcast DRAFT message (+ full rows)-->
     ranks    draft head: layers < L on the last token at position p + j
              (writes those layers' KV; verification overwrites it)
@@ -16,7 +16,7 @@ the token budget); before the step's plan is built the engine runs up to
              drafting at -1 (the grammar allows no draft id), a stop token,
              a terminated matcher or its reserved k
 
-each guided request drafts through a cursor (:mod:`tpguide.guided.spec_decoder`)
+each guided request drafts through a cursor (:mod:`tpguide.guided.draft_cursor`)
 that rolls its matcher back at the end of the loop, the discipline of every
 drafter; :func:`draft_with_head` returns the drafts and the
 driver puts them in its step's records.  It imports nothing of the driver
@@ -78,7 +78,7 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
 
     Parameters
     ----------
-    guided : SpeculativeGuidedDecoder or None
+    guided : GuidedDecoder or None
         The driver's matchers (None: no guided request yet, so none of ``requests`` is guided).
     stop_token_ids : set of int
         A drafted stop token ends that request's drafting.
@@ -90,7 +90,7 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
     """
     drafts: List[List[int]] = [[] for _ in requests]
     active = list(range(len(requests)))
-    with contextlib.ExitStack() as rollbacks:  # every cursor rolls its matcher back at the end (spec_decoder)
+    with contextlib.ExitStack() as rollbacks:  # every cursor rolls its matcher back at the end (guided/decoder.py)
         cursors = {r.slot: rollbacks.enter_context(guided.drafting(r.slot)) for r in requests if r.guided}
         while active:
             slots = [requests[i].slot if requests[i].guided else None for i in active]

@@ -20,7 +20,7 @@ it costs one verify pass for up to ``K`` of them::
              character the string call leaves out)
 
 all through one cursor that rolls the matcher back at the end
-(:mod:`tpguide.guided.spec_decoder`).
+(:mod:`tpguide.guided.draft_cursor`).
 
 **Layouts.**  With bounded (or any) JSON whitespace the grammar forces
 little: after ``{`` a newline, a space and ``"`` are all allowed, so nothing
@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from tpguide.guided.bitmask import allocate_token_bitmask, single_allowed_token
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import JSON_GUIDE_TYPES, StructuredOutputsParams
+from tpguide.guided.slot_record import SlotRecord
 from tpguide.guided.xgrammar_backend import JSON_LAYOUTS, XGrammarBackend
 
 
@@ -85,15 +85,6 @@ def drafts_layouts(params: Optional[StructuredOutputsParams], default_whitespace
             and params.json_whitespace_or(default_whitespace) != "compact")
 
 
-@dataclass
-class _Layouts:
-    """One request's layout matchers still in the race, and how many of its output tokens they have seen."""
-
-    request: Any
-    matchers: List[GrammarMatcher] = field(default_factory=list)
-    num_seen: int = 0
-
-
 class GrammarDrafter:
     """Drafts the forced text of a guided request's grammar (see the module docstring).
 
@@ -113,7 +104,6 @@ class GrammarDrafter:
         self._scratch = allocate_token_bitmask(1, padded_vocab_size)
         self._tokens_of = functools.lru_cache(maxsize=cache_size)(self._encode)
         self._strict_prefix_ids = None  # built on first use (a pass over the vocabulary)
-        self._layouts: Dict[int, _Layouts] = {}  # by slot
         self._own_layout_backend: Optional[XGrammarBackend] = None
         self._lock = threading.Lock()
 
@@ -154,22 +144,22 @@ class GrammarDrafter:
             except ValueError:
                 continue
 
-    def _layout_matchers(self, backend: GuidedBackend, slot: int, req) -> List[GrammarMatcher]:
-        """``req``'s layout matchers in ``slot``, advanced by its output tokens; those a token ruled out dropped."""
-        state = self._layouts.get(slot)
-        if state is None or state.request is not req:
-            state = self._layouts[slot] = _Layouts(req)
+    def _layout_matchers(self, backend: GuidedBackend, record: SlotRecord, req) -> List[GrammarMatcher]:
+        """``req``'s layout matchers (its slot ``record``), advanced by its output tokens; those a token ruled out dropped."""
+        if record.layouts is None:
+            record.layouts = []
             params = req.structured_output
             source = self.layout_backend(backend) if drafts_layouts(params, backend.json_whitespace) else None
             for layout in JSON_LAYOUTS if source is not None else ():
                 compiled = source.cached_layout(params, layout)
                 if compiled is not None:
-                    state.matchers.append(source.matcher(compiled))
-        tokens = req.output_token_ids
-        for token in tokens[state.num_seen:]:
-            state.matchers = [m for m in state.matchers if not m.is_terminated() and m.accept_token(token)]
-        state.num_seen = len(tokens)
-        return state.matchers
+                    record.layouts.append(source.matcher(compiled))
+        start = record.answer_start  # the answer's tokens only (docs/reasoning.md)
+        tokens = req.output_token_ids[start:] if start is not None else []
+        for token in tokens[record.num_layout_tokens:]:
+            record.layouts = [m for m in record.layouts if not m.is_terminated() and m.accept_token(token)]
+        record.num_layout_tokens = len(tokens)
+        return record.layouts
 
     def _encode(self, text: str) -> Tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -190,15 +180,17 @@ class GrammarDrafter:
 
         Parameters
         ----------
-        guided : SpeculativeGuidedDecoder
-            The driver's matchers; ``slot`` is guided.
+        guided : GuidedDecoder
+            The driver's records; ``slot`` has one.  A thinking request drafts
+            nothing until its budget forces ``</think>``; then ``</think>``
+            and the grammar's forced text after it.
         slot : int
         k : int
             Most drafts (``>= 0``).
         req : Request, optional
             The request in ``slot`` (its guide and output tokens): with it a
-            JSON guide's layouts are drafted (module docstring); without it
-            only forced text.
+            JSON guide's layouts are drafted (module docstring), their
+            matchers kept in the slot's record; without it only forced text.
 
         Returns
         -------
@@ -213,11 +205,18 @@ class GrammarDrafter:
         drafts: List[int] = []
         if k <= 0:
             return drafts
-        layouts = self._layout_matchers(guided.backend, slot, req) if req is not None else []
+        record = guided.record(slot)
+        if record.is_thinking:  # nothing is forced, until the budget forces </think> (docs/reasoning.md)
+            if not record.thinking.walk().at_budget:
+                return drafts
+            drafts.append(record.thinking.end_token_id)
+        if record.matcher is None or len(drafts) == k:
+            return drafts
+        layouts = self._layout_matchers(guided.backend, record, req) if req is not None else []
         with guided.drafting(slot) as cursor:
             matcher = cursor.matcher
             text = layouts[0].find_jump_forward_string() if layouts else ""
-            tokens = self.draft_tokens(text or matcher.find_jump_forward_string(), k)
+            tokens = self.draft_tokens(text or matcher.find_jump_forward_string(), k - len(drafts))
             for token in tokens:
                 if not cursor.accept(token):
                     return drafts

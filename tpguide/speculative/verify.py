@@ -16,7 +16,7 @@ The drafts come from the grammar drafter (forced text of a guided request,
 :mod:`tpguide.speculative.grammar_draft`), else from the configured
 fallback (n-gram lookup, the draft head), else there are none.  Every
 drafter and the bitmask fill advance the matcher through drafts only inside
-a cursor rolled back at once (:mod:`tpguide.guided.spec_decoder`), so the
+a cursor rolled back at once (:mod:`tpguide.guided.draft_cursor`), so the
 matcher holds the verified tokens between steps.
 
 The acceptance rule is exact for a deterministic draft: greedy rows take the
@@ -40,7 +40,7 @@ step's token budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List
 
 from tpguide.speculative.ngram import NgramProposer
 
@@ -169,7 +169,6 @@ class Speculator:
         self.proposer = NgramProposer() if method == "ngram" else None
         self.grammar_drafter = grammar_drafter
         self.stats = SpecStats()
-        self._forced: Dict[int, bool] = {}  # slot -> its drafts this step are forced text
 
     def max_num_drafts(self, req, budget: int) -> int:
         """Drafts ``req`` may carry this step with ``budget`` tokens left (golden included)."""
@@ -186,10 +185,10 @@ class Speculator:
             A running request past its prompt.
         budget : int
             Tokens left in the step, its golden token included.
-        guided : SpeculativeGuidedDecoder, optional
-            The driver's matchers; a guided request's drafts come from its
-            forced text first, and n-gram drafts are cut where its grammar
-            rejects one.  A request with penalties or ``logit_bias`` gets no
+        guided : GuidedDecoder, optional
+            The driver's records; a guided (or budget-thinking) request's
+            drafts come from its forced text first, and n-gram drafts are
+            cut where its rows reject one.  A request with penalties or ``logit_bias`` gets no
             grammar drafts (its rows would need the drafts in its history).
 
         Returns
@@ -198,24 +197,25 @@ class Speculator:
             At most :meth:`max_num_drafts` tokens, or as many :data:`DRAFT_PENDING`.
         """
         k = self.max_num_drafts(req, budget)
-        slot = req.slot if guided is not None and req.slot is not None and guided.is_guided(req.slot) else None
-        self._forced[req.slot] = False
+        record = guided.record(req.slot) if guided is not None and req.slot is not None else None
+        if record is not None:
+            record.forced = False
         if not k:
             return []
-        if self.grammar_drafter is not None and slot is not None and not req.sampling_params.has_penalties:
-            drafts = self.grammar_drafter.propose(guided, slot, k, req)
+        if self.grammar_drafter is not None and record is not None and not req.sampling_params.has_penalties:
+            drafts = self.grammar_drafter.propose(guided, req.slot, k, req)
             if drafts:
-                self._forced[req.slot] = True
+                record.forced = True
                 return drafts
         if self.method == "draft-head":
             return [DRAFT_PENDING] * k
         if self.proposer is None:
             return []
         drafts = self.proposer.propose(req.all_token_ids, k)[:k]
-        return guided.accepted_prefix(slot, drafts) if slot is not None else drafts
+        return guided.accepted_prefix(req.slot, drafts) if record is not None else drafts
 
     def verify(self, drafts: List[int], token_ids: List[int], first_row: int,
-               slot: Optional[int] = None) -> "Verification":
+               forced: bool = False) -> "Verification":
         """Longest accepted prefix of one request's drafts (pure apart from :attr:`stats`).
 
         Parameters
@@ -226,9 +226,9 @@ class Speculator:
             The step's sampled tokens, all sample rows.
         first_row : int
             The request's first sample row (rows ``first_row .. first_row + k``).
-        slot : int, optional
-            The request's slot: its drafts count as forced text when
-            :meth:`propose` drafted them from the grammar this step.
+        forced : bool
+            The drafts are forced text (:meth:`propose` drafted them from the
+            grammar this step: the request's ``SlotRecord.forced``).
 
         Returns
         -------
@@ -245,7 +245,7 @@ class Speculator:
             self.stats.num_verify_steps += 1
             self.stats.num_drafted += k
             self.stats.num_accepted += a
-            if self._forced.get(slot, False):
+            if forced:
                 self.stats.num_forced_drafted += k
                 self.stats.num_forced_accepted += a
         return Verification(num_accepted=a, token_ids=list(drafts[:a]) + [targets[a]],
