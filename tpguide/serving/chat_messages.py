@@ -3,12 +3,13 @@
 * ``content`` may be a string or a list of ``{"type": "text", "text": ...}``
   parts (joined); any other part type (images, audio, files) is refused.
 * ``developer`` is a ``system`` message (OpenAI's newer name).
-* An ``assistant`` message's ``tool_calls`` are written back in the call
-  syntax; a ``tool`` message becomes a user turn wrapped in
-  ``<tool_response>`` (hermes style), since the chat templates of small
-  models have no tool role.
-* With tools, the tool prompt is appended to the first system message (or
-  becomes one).
+* A chat template that renders tools gets ``tool_calls`` and ``tool``
+  messages as they are (docs/tool-calls.md).  Otherwise an ``assistant``
+  message's ``tool_calls`` are written back in the call syntax; a ``tool``
+  message becomes a user turn wrapped in ``<tool_response>`` (hermes
+  style), since the chat templates of small models have no tool role; and
+  the tool prompt is appended to the first system message (or becomes one;
+  or opens the first user message where the template has no system role).
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def _structured_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
 
 
 def render_messages(messages: Any, fmt: JsonCallFormat, tool_prompt: Optional[str] = None,
-                    template_tools: bool = False) -> List[Dict[str, Any]]:
+                    template_tools: bool = False, prompt_role: str = "system") -> List[Dict[str, Any]]:
     """Plain ``{"role", "content"}`` messages for the request line.
 
     ``template_tools``: the chat template renders tools itself, so an
     assistant's ``tool_calls`` stay structured (arguments as objects) and a
     ``tool`` message keeps its role and ``tool_call_id`` (docs/tool-calls.md).
+    ``prompt_role="user"``: the tool prompt opens the first user message
+    (for a template without a system role).
 
     Raises
     ------
@@ -117,7 +120,10 @@ def render_messages(messages: Any, fmt: JsonCallFormat, tool_prompt: Optional[st
         if role == "tool":
             role, text = "user", f"<tool_response>\n{text}\n</tool_response>"
         out.append({"role": role, "content": text})
-    if tool_prompt:
+    first_user = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+    if tool_prompt and prompt_role == "user" and first_user is not None:
+        out[first_user] = {**out[first_user], "content": f"{tool_prompt}\n\n{out[first_user]['content']}"}
+    elif tool_prompt:
         if out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tool_prompt}"}
         else:

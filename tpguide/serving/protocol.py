@@ -227,14 +227,15 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
         if body.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "text only")
         tools = plan_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
-                           setup.fmt)
+                           setup.fmt, setup.json_whitespace)
         if setup.template_tools:  # the model's own template shows the tools (all of them, as vLLM does)
             messages = render_messages(body.get("messages"), setup.fmt, template_tools=True)
             specs = {"tools": [f.spec() for f in parse_tools(body["tools"])]} if tools is not None else {}
             prompts = [{"messages": messages, **({"chat_template_kwargs": specs} if specs else {})}]
         else:
             prompt = tool_system_prompt(tools) if tools is not None else None
-            prompts = [{"messages": render_messages(body.get("messages"), setup.fmt, prompt)}]
+            prompts = [{"messages": render_messages(body.get("messages"), setup.fmt, prompt,
+                                                    prompt_role=setup.prompt_role)}]
     base = _sampling_fields(body, endpoint)
     if logprobs is not None:  # the engine records logprobs for logprobs >= 1; 0 alternatives are cut later
         base["logprobs"] = max(logprobs, 1)

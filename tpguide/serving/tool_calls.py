@@ -65,6 +65,7 @@ class ToolPlan:
     tools: Tuple[FunctionTool, ...]
     fmt: JsonCallFormat
     parallel: bool = True
+    whitespace: str = "bounded"  # JSON whitespace mode of the arguments (tpguide.guided.params)
 
 def parse_tools(tools: Any) -> List[FunctionTool]:
     """Validate ``tools``; 400 naming the bad entry."""
@@ -95,7 +96,8 @@ def parse_tools(tools: Any) -> List[FunctionTool]:
     return out
 
 
-def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: JsonCallFormat) -> Optional[ToolPlan]:
+def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: JsonCallFormat,
+               whitespace: str = "bounded") -> Optional[ToolPlan]:
     """``tools`` + ``tool_choice`` -> a :class:`ToolPlan`, or None for no tool use.
 
     Raises
@@ -116,14 +118,14 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: Json
     if choice == "none":
         return None
     if choice in ("auto", "required"):
-        return ToolPlan(choice, tuple(funcs), fmt, parallel)
+        return ToolPlan(choice, tuple(funcs), fmt, parallel, whitespace)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         match = [f for f in funcs if f.name == name]
         if not match:
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                               f"{[f.name for f in funcs]}", "tool_choice")
-        return ToolPlan("named", (match[0],), fmt, parallel)
+        return ToolPlan("named", (match[0],), fmt, parallel, whitespace)
     raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
                       f"{{'name': ...}}}}, got {choice!r}", "tool_choice")
 
@@ -148,7 +150,7 @@ def tool_system_prompt(plan: ToolPlan) -> str:
 
 def tool_guide(plan: ToolPlan, backend: str) -> Dict[str, Any]:
     """The ``structured_output`` object of the request line that enforces ``plan``."""
-    return plan_guide(plan.fmt, plan.mode, plan.tools, plan.parallel, backend)
+    return plan_guide(plan.fmt, plan.mode, plan.tools, plan.parallel, backend, plan.whitespace)
 
 
 def parse_tool_output(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[Tuple[str, str]]]:

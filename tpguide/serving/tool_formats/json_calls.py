@@ -154,7 +154,11 @@ class JsonCallFormat:
             m = start_re.search(text, pos)
             if m is None:
                 piece = text[pos:]
-                keep = len(piece) - (0 if final else _prefix_hold(piece, self.trigger))
+                keep = len(piece)
+                if not final:  # hold what may still start a call or a list
+                    keep -= _prefix_hold(piece, self.block_open or self.trigger)
+                    if self.trigger in piece:
+                        keep = min(keep, piece.index(self.trigger))
                 scan.content += piece[:keep]
                 return scan
             scan.content += text[pos:m.start()]
@@ -187,6 +191,11 @@ class JsonCallFormat:
                 at = t.end()
                 if not self.block_open:
                     call.complete = True
+                    joined = re.compile(_ws(self.separator) + re.escape(self.trigger)).match(text, at)
+                    if joined is not None:  # the separator before the next call is not content
+                        at = joined.end() - len(self.trigger)
+                    elif not final and (self.separator + self.trigger).startswith(text[at:]) and at < len(text):
+                        return scan  # it may become a separator: hold it
                     break
                 more = re.compile(_ws(self.separator)).match(text, at)
                 close = re.compile(r"\s*" + re.escape(self.block_close)).match(text, at)

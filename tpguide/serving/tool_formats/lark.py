@@ -53,7 +53,7 @@ class _Builder:
         if kind == "json_schema":
             if node.get("style", "json") != "json":
                 raise ValueError(f"json_schema style {node['style']!r} has no llguidance form (use xgrammar)")
-            return f"%json {json.dumps(node['json_schema'])}"
+            return f"%json {json.dumps(_with_whitespace(node))}"
         if kind == "tag":
             return " ".join(p for p in (_lit(node["begin"]), self.expr(node["content"]), _lit(node["end"])) if p)
         if kind == "sequence":
@@ -87,6 +87,15 @@ class _Builder:
         if node.get("stop_after_first"):
             return f"{pre} {alt}" if node.get("at_least_one") else f"({tail} | {pre} {alt})"
         return f"({pre} {alt})+ {tail}" if node.get("at_least_one") else f"({pre} {alt})* {tail}"
+
+
+def _with_whitespace(node: Dict[str, Any]) -> Any:
+    """The node's schema with llguidance's whitespace options for its ``max_whitespace_cnt``."""
+    schema, most = node["json_schema"], node.get("max_whitespace_cnt")
+    if most is None or not isinstance(schema, dict):
+        return schema
+    options = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,%d}" % most}
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
 
 
 def _lit(text: str) -> str:
