@@ -110,3 +110,45 @@ def with_template(src, dst, template: str) -> str:
     shutil.copytree(src, dst)
     (Path(dst) / "chat_template.jinja").write_text(template)
     return str(dst)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["zone"],
+    "additionalProperties": False}}}
+#: (id, tool_choice, parallel_tool_calls, backend) of the request lines of :func:`tool_lines`.
+CASES = (("required", "required", False, "xgrammar"),
+         ("named", {"type": "function", "function": {"name": "get_time"}}, None, "xgrammar"),
+         ("auto", "auto", False, "xgrammar"),
+         ("required-ll", "required", False, "llguidance"))
+
+
+def family_setup(model_dir: str, fmt_name: str):
+    """``--tool-call-parser auto`` on the family model in ``model_dir`` (compact JSON whitespace)."""
+    from transformers import AutoTokenizer
+
+    from tpguide.serving.tool_formats import choose_tool_format
+
+    arch = FAMILIES[fmt_name][0]
+    setup = choose_tool_format("auto", arch, AutoTokenizer.from_pretrained(model_dir), json_whitespace="compact")
+    assert setup.fmt.name == fmt_name and setup.template_tools, setup
+    return setup
+
+
+def tool_lines(setup, prefix: str, max_tokens: int = 96):
+    """Request lines of :data:`CASES` as the server maps them (one chat body each), and their tool plans by id."""
+    from tpguide.serving.protocol import parse_request
+
+    lines, plans = [], {}
+    for case, choice, parallel, backend in CASES:
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                "tools": [WEATHER, TIME], "tool_choice": choice, "temperature": 0, "max_tokens": max_tokens,
+                "logprobs": True, **({"parallel_tool_calls": parallel} if parallel is not None else {})}
+        parsed = parse_request(body, "chat", f"{prefix}-{case}", backend=backend, tool_format=setup)
+        (line,) = parsed.lines
+        lines.append(line)
+        plans[line["id"]] = parsed.tools
+    return lines, plans
