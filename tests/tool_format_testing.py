@@ -152,3 +152,10 @@ def tool_lines(setup, prefix: str, max_tokens: int = 96):
         lines.append(line)
         plans[line["id"]] = parsed.tools
     return lines, plans
+
+
+def run_formats(group, jobs, config):
+    """Module-level (spawnable): ``jobs`` [(model dir, request lines)] one engine after another; (outputs, stats) each."""
+    from grammar_draft_testing import run
+
+    return [run(group, model_dir, lines, config) for model_dir, lines in jobs]
