@@ -196,3 +196,27 @@ def test_lark_translation_refuses_what_it_cannot_express():
     assert json.loads(structural_tag_to_lark({"type": "structural_tag", "format": {
         "type": "json_schema", "json_schema": {"type": "object"}}}).split("%json ", 1)[1].split("\n")[0]) == {
             "type": "object"}
+
+
+def test_a_special_token_marker_is_read_from_text_without_it(default_model_path):
+    """Mistral's ``[TOOL_CALLS]`` is a control token of its tokenizer: decoded text omits it, calls are still read."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.chat_template = MISTRAL
+    fmt = choose_tool_format("auto", "MistralForCausalLM", tok).fmt
+    assert fmt.hidden == "[TOOL_CALLS]" and fmt.render_calls([W]).startswith("[TOOL_CALLS] [")  # the guide forces it
+    plan = plan_tools([WEATHER, TIME], "auto", None, fmt)
+    written = "See [1]. " + fmt.render_calls([W, T])
+    text = tok.decode(tok.encode(written, add_special_tokens=False), skip_special_tokens=True)
+    assert "[TOOL_CALLS]" not in text
+    assert parse_tool_output(text, plan) == ("See [1].", [W, T])
+    for step in (1, 4):
+        content, calls = replay(plan, text, step)
+        assert content.strip() == "See [1]." and calls == [W, T]
+    assert tool_call_error(text, plan_tools([WEATHER, TIME], "required", None, fmt)) is None
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<tool_call>"]})
+    tok.chat_template = QWEN
+    with pytest.raises(ValueError, match="is a special token of this tokenizer"):
+        choose_tool_format("hermes", "Qwen2ForCausalLM", tok)

@@ -11,6 +11,7 @@ name, is a startup error (docs/tool-calls.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -147,4 +148,23 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
         if name != "hermes":
             raise ValueError(f"--tool-call-begin/--tool-call-end apply to hermes calls, not to {name}")
         fmt = hermes(begin or "<tool_call>", end or "</tool_call>")
-    return ToolSetup(fmt, renders, "system" if template_takes_system(tokenizer) else "user", json_whitespace)
+    return ToolSetup(with_special_markers(fmt, tokenizer), renders,
+                     "system" if template_takes_system(tokenizer) else "user", json_whitespace)
+
+
+def with_special_markers(fmt: JsonCallFormat, tokenizer: Any) -> JsonCallFormat:
+    """``fmt`` knowing that its trigger is a special token of ``tokenizer`` (decoded text omits it).
+
+    Raises
+    ------
+    ValueError
+        The trigger of a format without a list opening is a special token
+        (its calls could not be found in the text): not supported.
+    """
+    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    if fmt.trigger not in special:
+        return fmt
+    if not fmt.block_open:
+        raise ValueError(f"the {fmt.name} trigger {fmt.trigger!r} is a special token of this tokenizer, which "
+                         "decoded text omits; tpguide cannot read such calls back")
+    return dataclasses.replace(fmt, hidden=fmt.trigger)

@@ -87,6 +87,12 @@ class JsonCallFormat:
         Strings in a chat template that show it writes this syntax.
     id_length : int
         0: OpenAI-style ids ``call_<24 hex>``; else that many alphanumerics (Mistral: 9).
+    hidden : str
+        A marker of ``block_open`` that is a special token of the tokenizer
+        (Mistral's ``[TOOL_CALLS]``): the guide forces it (the backends allow
+        its token), the decoded output text omits it, so the scanner looks
+        for the rest of ``block_open`` (:func:`~tpguide.serving.tool_formats.choose.choose_tool_format`
+        sets it).
     """
 
     name: str
@@ -100,8 +106,11 @@ class JsonCallFormat:
     xgrammar_model: Optional[str] = None
     markers: Tuple[str, ...] = ()
     id_length: int = 0
+    hidden: str = ""
 
     def __post_init__(self) -> None:
+        if self.hidden and (not self.block_open or self.hidden not in self.block_open):
+            raise ValueError(f"{self.name}: a hidden marker must be part of block_open, got {self.hidden!r}")
         if not self.trigger or not (self.block_open or self.call_open or '{"name": ').startswith(self.trigger):
             raise ValueError(f"{self.name}: the trigger {self.trigger!r} must start every call or list")
         if bool(self.block_open) != bool(self.block_close):
@@ -148,7 +157,10 @@ class JsonCallFormat:
             No more text follows: nothing is held back.
         """
         header, scan, pos = self._header(), Scan(""), 0
-        start_re = re.compile(_ws(self.block_open) if self.block_open else re.escape(self.trigger))
+        opener = (self.block_open or self.trigger).replace(self.hidden, "") if self.hidden else ""
+        opener = opener or self.block_open or self.trigger  # what starts a call or a list in the text
+        marker = opener.strip() or opener
+        start_re = re.compile(_ws(opener) if self.block_open else re.escape(opener))
         tail = re.compile(r"\s*\}" + _ws(self.call_close)) if self.call_close.strip() else re.compile(r"\s*\}")
         while True:
             m = start_re.search(text, pos)
@@ -156,18 +168,18 @@ class JsonCallFormat:
                 piece = text[pos:]
                 keep = len(piece)
                 if not final:  # hold what may still start a call or a list
-                    keep -= _prefix_hold(piece, self.block_open or self.trigger)
-                    if self.trigger in piece:
-                        keep = min(keep, piece.index(self.trigger))
+                    keep -= _prefix_hold(piece, opener)
+                    if marker in piece:
+                        keep = min(keep, piece.index(marker))
                 scan.content += piece[:keep]
                 return scan
             scan.content += text[pos:m.start()]
             start = m.start()
-            at = m.end() if self.block_open else start
+            at = first = m.end() if self.block_open else start
             while True:  # the calls of one list (one call when there is no list)
                 h = header.match(text, at)
                 if h is None or h.end() == len(text):  # not a complete header yet
-                    if final and h is None and not self.block_open:
+                    if final and h is None and at == first:
                         break  # the trigger was plain text
                     scan.open_at = start
                     return scan
@@ -209,7 +221,7 @@ class JsonCallFormat:
                     scan.open_at = start
                     return scan
                 at = more.end()
-            if at == start:  # a trigger that starts no call (final): it is content
+            if at == first:  # a trigger that starts no call (final): it is content
                 scan.content += text[start:m.end()]
                 at = m.end()
             pos = at
