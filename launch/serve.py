@@ -12,7 +12,9 @@ follow its plans.  While idle, rank 0 sends a heartbeat every
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health`` (503 once the engine loop is dead),
-``GET /metrics`` (Prometheus).  See README "Serving".
+``GET /metrics`` (Prometheus).  See README "Serving".  Tool calls are
+written in the model's own call format (``--tool-call-parser``, default
+``auto``; docs/tool-calls.md).
 
 SIGINT or SIGTERM (to rank 0 or to torchrun, which forwards it): stop
 accepting requests, abort the running ones, send the stop plan, every rank
