@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="idle seconds between heartbeat plans (default min(5, --collective-timeout / 4))")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
                    help="call format of tool calls: auto (from the model's family and chat template) or one of "
-                        "hermes, qwen3, llama3_json, mistral, phi4_mini_json (docs/tool-calls.md)")
+                        "hermes, qwen3, llama3_json, mistral, phi4_mini_json, qwen3_coder (docs/tool-calls.md)")
     p.add_argument("--tool-call-begin", default=None, help="hermes only: tag that opens a tool call (<tool_call>)")
     p.add_argument("--tool-call-end", default=None, help="hermes only: tag that closes a tool call (</tool_call>)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                               tool_format=choose_tool_format(args.tool_call_parser, engine.model.config.architecture,
                                                              engine.driver.tokenizer,
                                                              args.tool_call_begin, args.tool_call_end,
-                                                             config.json_whitespace),
+                                                             config.json_whitespace, config.guided_backend),
                               channels=channels, tp_size=group.tp_size, on_leave=_end_the_job_once())
     from tpguide.serving.app import create_app
 

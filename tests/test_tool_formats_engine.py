@@ -40,10 +40,13 @@ def test_format_on_its_family(fmt_name, tmp_path, default_model_path):
 
     outputs = {o["id"]: o for o in generate_on_group(TPGroup(), model, lines, CONFIG)}
     for case in ("required", "named", "required-ll"):
+        if f"{fmt_name}-{case}-0" not in outputs:  # no llguidance line for an XML format
+            assert case.endswith("-ll") and not fmt.json_arguments
+            continue
         out = outputs[f"{fmt_name}-{case}-0"]
         assert out["finish_reason"] == "stop", (case, out["error"], out["text"])
         assert out["guided_backend"] == ("llguidance" if case.endswith("-ll") else "xgrammar")
-        assert out["text"].startswith(fmt.block_open or fmt.call_open + '{"name": '), out["text"]
+        assert out["text"].startswith(fmt.block_open or fmt.call_prefix("get_")[:len(fmt.call_open) + 9]), out["text"]
         plan = plans[out["id"]]
         assert tool_call_error(out["text"], plan) is None
         message, reason = chat_message(out["text"], plan, "stop")

@@ -68,6 +68,14 @@ QWEN = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+QWEN_CODER = QWEN.replace(
+    '{"name": <function-name>, "arguments": <args-json-object>}',
+    "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>",
+).replace(
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}',
+    "<function={{ tc.function.name }}>{{ '\\n' }}{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>"
+    "{{ '\\n' }}{{ v }}{{ '\\n' }}</parameter>{{ '\\n' }}{% endfor %}</function>",
+)
 PHI4_MINI = (
     "{% for m in messages %}"
     "{% if loop.first and tools is defined and tools %}<|system|>You can call tools with functools[...]"
@@ -90,6 +98,7 @@ FAMILIES = {
     "llama3_json": ("LlamaForCausalLM", LLAMA31, "Given the following functions"),
     "mistral": ("MistralForCausalLM", MISTRAL, "[AVAILABLE_TOOLS] [{\"type\": \"function\""),
     "phi4_mini_json": ("Phi3ForCausalLM", PHI4_MINI, "<|tool|>[{\"type\": \"function\""),
+    "qwen3_coder": ("Qwen3ForCausalLM", QWEN_CODER, "<tools>\n{\"type\": \"function\""),
 }
 VOCAB = 49152  # SmolLM2's tokenizer
 MAX_MODEL_LEN = 1024  # a prompt with tools takes a few hundred tokens
@@ -144,6 +153,8 @@ def tool_lines(setup, prefix: str, max_tokens: int = 96):
 
     lines, plans = [], {}
     for case, choice, parallel, backend in CASES:
+        if backend == "llguidance" and not setup.fmt.json_arguments:
+            continue  # an XML format's guide is xgrammar's only
         body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
                 "tools": [WEATHER, TIME], "tool_choice": choice, "temperature": 0, "max_tokens": max_tokens,
                 "logprobs": True, **({"parallel_tool_calls": parallel} if parallel is not None else {})}

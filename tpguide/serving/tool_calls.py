@@ -67,6 +67,11 @@ class ToolPlan:
     parallel: bool = True
     whitespace: str = "bounded"  # JSON whitespace mode of the arguments (tpguide.guided.params)
 
+    @property
+    def schemas(self) -> Dict[str, Dict[str, Any]]:
+        """``parameters`` by function name (XML formats read argument types from them)."""
+        return {t.name: t.parameters for t in self.tools}
+
 def parse_tools(tools: Any) -> List[FunctionTool]:
     """Validate ``tools``; 400 naming the bad entry."""
     if not isinstance(tools, list) or not tools:
@@ -160,7 +165,7 @@ def parse_tool_output(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[Tu
     content (None when only whitespace).  An unfinished trailing call (the
     output hit ``max_tokens``) stays in the content.
     """
-    return plan.fmt.scan(text, final=True).finished(text)
+    return plan.fmt.scan(text, True, plan.schemas).finished(text)
 
 
 def tool_call_error(text: str, plan: ToolPlan) -> Optional[str]:

@@ -52,7 +52,7 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool = False) -> List[ToolEvent]:
         """Events for ``text`` (the whole output so far); ``final`` flushes held-back content."""
-        scan = self.plan.fmt.scan(text, final)
+        scan = self.plan.fmt.scan(text, final, self.plan.schemas)
         content = scan.content
         if final and scan.open_at is not None and not any(c.start == scan.open_at for c in scan.calls):
             content += text[scan.open_at:]  # an unfinished call whose header never completed: plain text

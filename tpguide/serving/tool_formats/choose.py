@@ -29,7 +29,7 @@ FAMILY_FORMATS = {
     "Phi3ForCausalLM": "hermes",
 }
 #: Template markers, most specific first: (marker, format).
-_TEMPLATE_MARKERS = (("[TOOL_CALLS]", "mistral"), ("[AVAILABLE_TOOLS]", "mistral"), ("functools", "phi4_mini_json"),
+_TEMPLATE_MARKERS = (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("[AVAILABLE_TOOLS]", "mistral"), ("functools", "phi4_mini_json"),
                      ("<|tool|>", "phi4_mini_json"), ("<|python_tag|>", "llama3_json"),
                      ('"parameters"', "llama3_json"), ('\\"parameters\\"', "llama3_json"), ("<tool_call>", "hermes"))
 #: Formats with the same call syntax (a template showing one fits the other).
@@ -104,7 +104,8 @@ def template_format(tokenizer: Any) -> Optional[str]:
 
 
 def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Optional[str] = None,
-                       end: Optional[str] = None, json_whitespace: str = "bounded") -> ToolSetup:
+                       end: Optional[str] = None, json_whitespace: str = "bounded",
+                       guided_backend: str = "auto") -> ToolSetup:
     """The :class:`ToolSetup` for ``--tool-call-parser parser`` on this model.
 
     Parameters
@@ -119,6 +120,9 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
         ``--tool-call-begin`` / ``--tool-call-end``: other hermes tags (hermes only).
     json_whitespace : str
         The engine's ``--json-whitespace`` (applies to the arguments).
+    guided_backend : str
+        The engine's ``--guided-backend``: ``llguidance`` cannot take an
+        XML format's guide (``qwen3_coder``).
 
     Raises
     ------
@@ -144,6 +148,9 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
             raise ValueError(f"--tool-call-parser {parser} does not match the model's chat template, which "
                              f"renders tools with {shown} calls; use --tool-call-parser {shown} or auto")
     fmt = FORMATS[name]
+    if guided_backend == "llguidance" and not fmt.json_arguments:
+        raise ValueError(f"--tool-call-parser {name} needs the xgrammar backend (its XML arguments have no "
+                         "llguidance grammar here); use --guided-backend xgrammar or auto")
     if (begin, end) != (None, None) and (begin, end) != ("<tool_call>", "</tool_call>"):
         if name != "hermes":
             raise ValueError(f"--tool-call-begin/--tool-call-end apply to hermes calls, not to {name}")

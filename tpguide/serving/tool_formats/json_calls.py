@@ -21,7 +21,7 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 _DECODER = json.JSONDecoder()
 
@@ -134,11 +134,10 @@ class JsonCallFormat:
         body = self.separator.join(self.render_call(n, a) for n, a in calls)
         return f"{self.block_open}{body}{self.block_close}"
 
+    json_arguments = True  # the arguments are one JSON object (a Lark form exists)
+
     def new_call_id(self) -> str:
-        if self.id_length:
-            alphabet = string.ascii_letters + string.digits
-            return "".join(secrets.choice(alphabet) for _ in range(self.id_length))
-        return f"call_{secrets.token_hex(12)}"
+        return new_call_id(self.id_length)
 
     # ------------------------------------------------------------ reading
     def _header(self) -> "re.Pattern[str]":
@@ -146,7 +145,7 @@ class JsonCallFormat:
         opener = "" if self.block_open else _ws(self.call_open)
         return re.compile(opener + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*' + key + r"\s*:\s*")
 
-    def scan(self, text: str, final: bool = False) -> Scan:
+    def scan(self, text: str, final: bool = False, schemas: Optional[Dict[str, Any]] = None) -> Scan:
         """Calls and content of ``text`` (a whole output, or its prefix while streaming).
 
         Parameters
@@ -155,6 +154,8 @@ class JsonCallFormat:
             The decoded output so far.
         final : bool
             No more text follows: nothing is held back.
+        schemas : dict, optional
+            Not used (JSON arguments need no schema to be read).
         """
         header, scan, pos = self._header(), Scan(""), 0
         opener = (self.block_open or self.trigger).replace(self.hidden, "") if self.hidden else ""
@@ -168,7 +169,7 @@ class JsonCallFormat:
                 piece = text[pos:]
                 keep = len(piece)
                 if not final:  # hold what may still start a call or a list
-                    keep -= _prefix_hold(piece, opener)
+                    keep -= prefix_hold(piece, opener)
                     if marker in piece:
                         keep = min(keep, piece.index(marker))
                 scan.content += piece[:keep]
@@ -227,7 +228,15 @@ class JsonCallFormat:
             pos = at
 
 
-def _prefix_hold(text: str, tag: str) -> int:
+def new_call_id(length: int = 0) -> str:
+    """``call_<24 hex>`` (OpenAI's form), or ``length`` alphanumerics (Mistral: 9)."""
+    if length:
+        alphabet = string.ascii_letters + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(length))
+    return f"call_{secrets.token_hex(12)}"
+
+
+def prefix_hold(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Union
 
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
+from tpguide.serving.tool_formats.xml_calls import XmlCallFormat
 
 
 def hermes(begin: str = "<tool_call>", end: str = "</tool_call>") -> JsonCallFormat:
@@ -15,7 +16,7 @@ def hermes(begin: str = "<tool_call>", end: str = "</tool_call>") -> JsonCallFor
                           markers=(begin,))
 
 
-FORMATS: Dict[str, JsonCallFormat] = {
+FORMATS: Dict[str, Union[JsonCallFormat, XmlCallFormat]] = {
     "hermes": hermes(),
     # Qwen3 writes hermes calls; xgrammar has the format ("qwen_3"), so its tags build the guide
     "qwen3": JsonCallFormat("qwen3", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n",
@@ -32,4 +33,6 @@ FORMATS: Dict[str, JsonCallFormat] = {
     "phi4_mini_json": JsonCallFormat("phi4_mini_json", call_open="", call_close="", separator=", ",
                                      trigger="functools[", block_open="functools[", block_close="]",
                                      markers=("functools",)),
+    # Qwen3-Coder: XML parameters (xgrammar's "qwen_3_coder"; no llguidance form)
+    "qwen3_coder": XmlCallFormat(),
 }
