@@ -12,7 +12,9 @@ follow its plans.  While idle, rank 0 sends a heartbeat every
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health`` (503 once the engine loop is dead),
-``GET /metrics`` (Prometheus).  See docs/serving.md.
+``GET /metrics`` (Prometheus).  See docs/serving.md.  Tool calls are
+written in the model's own call format (``--tool-call-parser``, default
+``auto``; docs/tool-calls.md).
 
 SIGINT or SIGTERM (to rank 0 or to torchrun, which forwards it): stop
 accepting requests, abort the running ones, send the stop plan, every rank
@@ -41,6 +43,7 @@ from engine_flags import add_engine_flags, engine_config_from_args, set_threads
 from tpguide.dist import destroy_tp_group, init_tp_group
 from tpguide.dist.fault_inject import FAULT_ENV, step_fault_hook
 from tpguide.dist.replica_channel import open_replica_channels
+from tpguide.serving.tool_formats.table import FORMATS
 
 #: Seconds a worker rank waits after SIGINT/SIGTERM for rank 0's stop plan before it leaves anyway.
 WORKER_GRACE_S = 8.0
@@ -60,8 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest request body; larger gets 413 (default 4 MiB)")
     p.add_argument("--heartbeat-interval", type=float, default=None,
                    help="idle seconds between heartbeat plans (default min(5, --collective-timeout / 4))")
-    p.add_argument("--tool-call-begin", default="<tool_call>", help="tag that opens a tool call (default hermes)")
-    p.add_argument("--tool-call-end", default="</tool_call>", help="tag that closes a tool call")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
+                   help="call format of tool calls: auto (from the model's family and chat template) or one of "
+                        "hermes, qwen3, llama3_json, mistral, phi4_mini_json, qwen3_coder (docs/tool-calls.md)")
+    p.add_argument("--tool-call-begin", default=None, help="hermes only: tag that opens a tool call (<tool_call>)")
+    p.add_argument("--tool-call-end", default=None, help="hermes only: tag that closes a tool call (</tool_call>)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     add_engine_flags(p, default_max_new_tokens=256)
     return p.parse_args(argv)
@@ -157,12 +163,15 @@ def main(argv=None) -> int:
     import uvicorn
 
     from tpguide.serving.server import make_precompile, make_server_state
-    from tpguide.serving.tool_calls import ToolCallFormat
+    from tpguide.serving.tool_formats import choose_tool_format
 
     state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                               default_max_tokens=args.max_new_tokens, heartbeat_s=heartbeat,
-                              tool_format=ToolCallFormat(args.tool_call_begin, args.tool_call_end),
+                              tool_format=choose_tool_format(args.tool_call_parser, engine.model.config.architecture,
+                                                             engine.driver.tokenizer,
+                                                             args.tool_call_begin, args.tool_call_end,
+                                                             config.json_whitespace, config.guided_backend),
                               channels=channels, tp_size=group.tp_size, on_leave=_end_the_job_once())
     from tpguide.serving.app import create_app
 

@@ -18,7 +18,7 @@ from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import request_from_dict
 from tpguide.serving.app import create_app
 from tpguide.serving.server import make_precompile, make_server_state
-from tpguide.serving.tool_calls import ToolCallFormat
+from tpguide.serving.tool_formats import ToolSetup, hermes
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,7 +30,7 @@ def app_client(tiny_model_path):
     engine = build_engine(TPGroup(), tiny_model_path, CONFIG)
     state = make_server_state(engine, CONFIG, served_model_name="tiny", api_key=KEY, max_waiting_requests=1,
                               max_body_bytes=4096, default_max_tokens=6, heartbeat_s=0.2,
-                              tool_format=ToolCallFormat())
+                              tool_format=ToolSetup(hermes()))
     state.loop.start()
     state.precompile = make_precompile(engine, state.metrics)
     try:

@@ -9,7 +9,8 @@ from guided_testing import load_test_backend
 
 from tpguide.guided import StructuredOutputsParams
 from tpguide.serving.errors import APIError
-from tpguide.serving.tool_calls import ToolCallFormat, parse_tool_output, plan_tools, tool_guide
+from tpguide.serving.tool_calls import parse_tool_output, plan_tools, tool_guide
+from tpguide.serving.tool_formats import hermes
 from tpguide.serving.tool_stream import ToolCallStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -19,7 +20,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
     "additionalProperties": False}}}
-FMT = ToolCallFormat()
+FMT = hermes()
 CALL_W = FMT.render_call("get_weather", '{"city": "Paris"}')
 CALL_T = FMT.render_call("get_time", '{"zone": 2}')
 
@@ -64,10 +65,16 @@ def test_auto_allows_text_and_checks_calls(backend, tokenizer):
     assert not accepts(backend, single, CALL_W + " and " + CALL_T, tokenizer)
 
 
-def test_named_is_the_arguments_schema():
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_named_is_one_call_of_that_function(backend, tokenizer):
     p = plan({"type": "function", "function": {"name": "get_time"}})
-    assert p.mode == "named" and tool_guide(p, "xgrammar") == {"json": TIME["function"]["parameters"]}
-    assert parse_tool_output('{"zone": 1}', p) == (None, [("get_time", '{"zone": 1}')])
+    guide = tool_guide(p, backend)
+    assert p.mode == "named"
+    assert accepts(backend, guide, CALL_T, tokenizer)
+    assert not accepts(backend, guide, CALL_W, tokenizer)
+    assert not accepts(backend, guide, CALL_T + "\n" + CALL_T, tokenizer)
+    assert not accepts(backend, guide, '{"zone": 1}', tokenizer)
+    assert parse_tool_output(CALL_T, p) == (None, [("get_time", '{"zone": 2}')])
 
 
 def test_plan_errors():
@@ -120,5 +127,6 @@ def test_stream_deltas_concatenate_to_the_answer(step):
 
 def test_stream_named_and_plain_text():
     p = plan({"type": "function", "function": {"name": "get_time"}})
-    assert replay(p, '{"zone": 12}', 2) == ("", [{"name": "get_time", "arguments": '{"zone": 12}'}])
+    assert replay(p, FMT.render_call("get_time", '{"zone": 12}'), 2) == ("", [{"name": "get_time",
+                                                                              "arguments": '{"zone": 12}'}])
     assert replay(plan("auto"), "a <tool_ text that is not a call", 4) == ("a <tool_ text that is not a call", [])

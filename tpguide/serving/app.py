@@ -23,7 +23,7 @@ from tpguide.serving.metrics import ServerMetrics
 from tpguide.serving.protocol import ParsedRequest, parse_request
 from tpguide.serving.responses import TokenText, build_answer, usage
 from tpguide.serving.sse import DONE, ChoiceStream, chunk, sse_event
-from tpguide.serving.tool_calls import ToolCallFormat
+from tpguide.serving.tool_formats import ToolSetup, hermes
 
 
 @dataclass
@@ -43,7 +43,8 @@ class ServerState:
     guided_backend : str
     api_key : str or None
     max_body_bytes : int
-    tool_format : ToolCallFormat
+    tool_format : ToolSetup
+        The call format and whether the chat template renders tools (docs/tool-calls.md).
     precompile : callable, optional
         ``precompile(line_dict)`` compiles a request's guide into the engine's
         cache; run in a worker thread before the request joins the batch.
@@ -63,7 +64,7 @@ class ServerState:
     guided_backend: str = "xgrammar"
     api_key: Optional[str] = None
     max_body_bytes: int = 4 * 1024 * 1024
-    tool_format: ToolCallFormat = field(default_factory=ToolCallFormat)
+    tool_format: ToolSetup = field(default_factory=lambda: ToolSetup(hermes()))
     precompile: Optional[Callable[[Dict[str, Any]], None]] = None
     retry_after_s: int = 1
     shutting_down: bool = False

@@ -3,12 +3,13 @@
 * ``content`` may be a string or a list of ``{"type": "text", "text": ...}``
   parts (joined); any other part type (images, audio, files) is refused.
 * ``developer`` is a ``system`` message (OpenAI's newer name).
-* An ``assistant`` message's ``tool_calls`` are written back in the call
-  syntax; a ``tool`` message becomes a user turn wrapped in
-  ``<tool_response>`` (hermes style), since the chat templates of small
-  models have no tool role.
-* With tools, the tool prompt is appended to the first system message (or
-  becomes one).
+* A chat template that renders tools gets ``tool_calls`` and ``tool``
+  messages as they are (docs/tool-calls.md).  Otherwise an ``assistant``
+  message's ``tool_calls`` are written back in the call syntax; a ``tool``
+  message becomes a user turn wrapped in ``<tool_response>`` (hermes
+  style), since the chat templates of small models have no tool role; and
+  the tool prompt is appended to the first system message (or becomes one;
+  or opens the first user message where the template has no system role).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from tpguide.serving.errors import bad_request, unsupported
-from tpguide.serving.tool_calls import ToolCallFormat
+from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
@@ -40,7 +41,7 @@ def _content_text(content: Any, where: str) -> str:
                       f"{where}.content")
 
 
-def _tool_calls_text(calls: Any, where: str, fmt: ToolCallFormat) -> str:
+def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
     if not isinstance(calls, list):
         raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
@@ -51,12 +52,39 @@ def _tool_calls_text(calls: Any, where: str, fmt: ToolCallFormat) -> str:
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
-        out.append(fmt.render_call(fn["name"], args))
-    return "\n".join(out)
+        out.append((fn["name"], args))
+    return fmt.render_calls(out)
 
 
-def render_messages(messages: Any, fmt: ToolCallFormat, tool_prompt: Optional[str] = None) -> List[Dict[str, str]]:
+def _structured_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
+    """Assistant ``tool_calls`` for a chat template that renders them: arguments as an object (transformers' form)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"{where}.tool_calls[{j}].function.arguments is not JSON: {exc}",
+                              f"{where}.tool_calls[{j}].function.arguments") from exc
+        out.append({"id": str(call.get("id") or f"call{j}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def render_messages(messages: Any, fmt: JsonCallFormat, tool_prompt: Optional[str] = None,
+                    template_tools: bool = False, prompt_role: str = "system") -> List[Dict[str, Any]]:
     """Plain ``{"role", "content"}`` messages for the request line.
+
+    ``template_tools``: the chat template renders tools itself, so an
+    assistant's ``tool_calls`` stay structured (arguments as objects) and a
+    ``tool`` message keeps its role and ``tool_call_id`` (docs/tool-calls.md).
+    ``prompt_role="user"``: the tool prompt opens the first user message
+    (for a template without a system role).
 
     Raises
     ------
@@ -79,13 +107,23 @@ def render_messages(messages: Any, fmt: ToolCallFormat, tool_prompt: Optional[st
         text = _content_text(m.get("content"), where)
         if role == "developer":
             role = "system"
+        if template_tools and role == "assistant" and m.get("tool_calls"):
+            out.append({"role": role, "content": text, "tool_calls": _structured_calls(m["tool_calls"], where)})
+            continue
+        if template_tools and role == "tool":
+            out.append({"role": role, "content": text, "tool_call_id": str(m.get("tool_call_id") or ""),
+                        **({"name": m["name"]} if isinstance(m.get("name"), str) else {})})
+            continue
         if role == "assistant" and m.get("tool_calls"):
             calls = _tool_calls_text(m["tool_calls"], where, fmt)
             text = f"{text}\n{calls}" if text else calls
         if role == "tool":
             role, text = "user", f"<tool_response>\n{text}\n</tool_response>"
         out.append({"role": role, "content": text})
-    if tool_prompt:
+    first_user = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+    if tool_prompt and prompt_role == "user" and first_user is not None:
+        out[first_user] = {**out[first_user], "content": f"{tool_prompt}\n\n{out[first_user]['content']}"}
+    elif tool_prompt:
         if out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tool_prompt}"}
         else:

@@ -14,7 +14,7 @@ Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from tpguide.serving.chat_messages import render_messages
 from tpguide.serving.errors import bad_request, unsupported
@@ -24,7 +24,8 @@ from tpguide.serving.reasoning_fields import (
     include_reasoning,
     reasoning_line_fields,
 )
-from tpguide.serving.tool_calls import ToolCallFormat, ToolPlan, plan_tools, tool_guide, tool_system_prompt
+from tpguide.serving.tool_calls import ToolPlan, parse_tools, plan_tools, tool_guide, tool_system_prompt
+from tpguide.serving.tool_formats import JsonCallFormat, ToolSetup, hermes
 
 #: Fields that do not change what is generated; accepted and not used.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -187,7 +188,7 @@ def _completion_prompts(body: Dict[str, Any]) -> List[str]:
 
 
 def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgrammar",
-                  tool_format: Optional[ToolCallFormat] = None) -> ParsedRequest:
+                  tool_format: Optional[Union[ToolSetup, JsonCallFormat]] = None) -> ParsedRequest:
     """Map an OpenAI ``/v1/chat/completions`` or ``/v1/completions`` body onto request lines.
 
     Parameters
@@ -199,8 +200,9 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
         The response id; line ``k`` gets id ``f"{request_id}-{k}"``.
     backend : {"xgrammar", "llguidance"}
         The server's guided backend (tool grammars differ).
-    tool_format : ToolCallFormat, optional
-        Default: hermes ``<tool_call>`` / ``</tool_call>``.
+    tool_format : ToolSetup or JsonCallFormat, optional
+        The server's call format (and whether its chat template renders
+        tools, docs/tool-calls.md).  Default: hermes, tools in tpguide's prompt.
 
     Raises
     ------
@@ -209,7 +211,7 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
         Values the request line validates (sampling ranges, guides) are
         checked later by ``request_from_dict``.
     """
-    tool_format = tool_format or ToolCallFormat()
+    setup = tool_format if isinstance(tool_format, ToolSetup) else ToolSetup(tool_format or hermes())
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     _reject_unknown(body, CHAT_FIELDS if endpoint == "chat" else COMPLETION_FIELDS)
@@ -234,9 +236,15 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
         if body.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "text only")
         tools = plan_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
-                           tool_format)
-        prompt = tool_system_prompt(tools) if tools is not None else None
-        prompts = [{"messages": render_messages(body.get("messages"), tool_format, prompt)}]
+                           setup.fmt, setup.json_whitespace)
+        if setup.template_tools:  # the model's own template shows the tools (all of them, as vLLM does)
+            messages = render_messages(body.get("messages"), setup.fmt, template_tools=True)
+            specs = {"tools": [f.spec() for f in parse_tools(body["tools"])]} if tools is not None else {}
+            prompts = [{"messages": messages, **({"chat_template_kwargs": specs} if specs else {})}]
+        else:
+            prompt = tool_system_prompt(tools) if tools is not None else None
+            prompts = [{"messages": render_messages(body.get("messages"), setup.fmt, prompt,
+                                                    prompt_role=setup.prompt_role)}]
     base = {**_sampling_fields(body, endpoint), **reasoning_line_fields(body)}
     if logprobs is not None:  # the engine records logprobs for logprobs >= 1; 0 alternatives are cut later
         base["logprobs"] = max(logprobs, 1)
@@ -247,6 +255,8 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
     for p in prompts:
         for j in range(n):
             line = {"id": f"{request_id}-{len(lines)}", **p, **base}
+            if "chat_template_kwargs" in p and "chat_template_kwargs" in base:  # the tools and the request's own
+                line["chat_template_kwargs"] = {**base["chat_template_kwargs"], **p["chat_template_kwargs"]}
             if j > 0 and line.get("seed") is not None:
                 line["seed"] = derived_seed(line["seed"], j)
             lines.append(line)

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from tpguide.serving.errors import APIError
 from tpguide.serving.protocol import ParsedRequest
 from tpguide.serving.reasoning_fields import with_reasoning
-from tpguide.serving.tool_calls import ToolPlan, new_call_id, parse_tool_output
+from tpguide.serving.tool_calls import ToolPlan, parse_tool_output, tool_call_error
 
 
 def _byte_level_decoder() -> Dict[str, int]:
@@ -100,8 +100,8 @@ def usage(outputs: Sequence[Any], n: int) -> Dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def tool_calls_json(calls: Sequence[tuple]) -> List[Dict[str, Any]]:
-    return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+def tool_calls_json(calls: Sequence[tuple], plan: ToolPlan) -> List[Dict[str, Any]]:
+    return [{"id": plan.fmt.new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
             for name, args in calls]
 
 
@@ -110,15 +110,20 @@ def chat_message(text: str, tools: Optional[ToolPlan], finish_reason: str) -> tu
 
     Complete calls are tool calls whatever the finish reason (a stream has
     sent them already); ``finish_reason`` becomes ``"tool_calls"`` only for
-    an output that ended by itself (``"stop"``).
+    an output that ended by itself (``"stop"``), and then its calls must
+    parse and validate (fail closed: else a 500 naming the reason).
     """
     if tools is None:
         return {"role": "assistant", "content": text}, finish_reason
+    if finish_reason == "stop":
+        invalid = tool_call_error(text, tools)
+        if invalid is not None:
+            raise APIError(500, f"generation failed: {invalid}", "server_error")
     content, calls = parse_tool_output(text, tools)
     if not calls or (tools.mode == "named" and finish_reason != "stop"):
         return {"role": "assistant", "content": text}, finish_reason
     reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}, reason
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls, tools)}, reason
 
 
 def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any], token_text: TokenText,

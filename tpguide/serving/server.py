@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional
 from tpguide.serving.app import ServerState
 from tpguide.serving.engine_loop import EngineLoop
 from tpguide.serving.metrics import ServerMetrics
-from tpguide.serving.tool_calls import ToolCallFormat
+from tpguide.serving.tool_formats import ToolSetup
 
 
 def make_precompile(engine, metrics: ServerMetrics):
@@ -47,7 +47,7 @@ def make_precompile(engine, metrics: ServerMetrics):
 
 def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
                       max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
-                      tool_format: ToolCallFormat, channels: Optional[Dict[int, Any]] = None, tp_size: int = 1,
+                      tool_format: ToolSetup, channels: Optional[Dict[int, Any]] = None, tp_size: int = 1,
                       on_leave: Optional[Callable[[str], None]] = None) -> ServerState:
     """The :class:`ServerState` of rank 0 (the engine loop is built, not started).
 

@@ -16,6 +16,7 @@ from tpguide.serving.detokenizer import IncrementalDetokenizer, TextStream
 from tpguide.serving.protocol import ParsedRequest
 from tpguide.serving.reasoning_fields import ReasoningStream
 from tpguide.serving.responses import TokenText, chat_logprobs, completion_logprobs
+from tpguide.serving.tool_calls import tool_call_error
 from tpguide.serving.tool_stream import ToolCallStream
 
 DONE = "data: [DONE]\n\n"
@@ -94,7 +95,9 @@ class ChoiceStream:
                 entries.append(self._entry(ev.delta(), logprobs if k == 0 else None))
             if not events and logprobs is not None:
                 entries.append(self._entry({}, logprobs))
-            if reason == "stop" and self.tools.num_calls:
+            if reason == "stop" and tool_call_error(self.text.sent, self.parsed.tools) is not None:
+                reason = "error"  # fail closed (tool_call_error): never "tool_calls" with invalid calls
+            elif reason == "stop" and self.tools.num_calls:
                 reason = "tool_calls"
         if finished:
             entries.append(self._entry({}, None, reason))

@@ -1,0 +1,172 @@
+"""Test support for tool-call formats: compact chat templates of each family's form, tiny models that carry them.
+
+The templates render ``tools`` the way each family's own template does (the
+real ones are not available offline): Llama 3.1 puts the tools as JSON in
+the first user turn, Mistral v0.3 as ``[AVAILABLE_TOOLS]`` before the last
+``[INST]``, Qwen 2.5 / 3 as ``<tools>`` XML in the system turn, Phi-4-mini
+between ``<|tool|>`` tags.  Gemma 2's refuses a system message and knows no
+tools.  Each model is a tiny random-weight checkpoint of the family with
+SmolLM2's tokenizer (``tpguide.model.random_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tpguide.model.random_checkpoint import tiny_hf_config, write_random_model
+
+LLAMA31 = (
+    "{% set first = namespace(done=false) %}"
+    "{% for m in messages %}"
+    "<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if m.role == 'user' and tools is defined and tools and not first.done %}"
+    "{% set first.done = true %}"
+    "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+    "that best answers the given prompt.\n\nRespond in the format "
+    '{"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n'
+    "{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}"
+    "{% endif %}"
+    "{% if m.tool_calls is defined and m.tool_calls %}"
+    "{% for tc in m.tool_calls %}"
+    '{{ "; " if not loop.first }}{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments | tojson }}}'
+    "{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' or m.role == 'system' %}"
+    "{% if tools is defined and tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST] {{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls is defined and m.tool_calls %}"
+    "[TOOL_CALLS] [{% for tc in m.tool_calls %}{{ ', ' if not loop.first }}"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}{% endfor %}]</s>'
+    "{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
+    "{% endif %}{% endfor %}"
+)
+QWEN = (
+    "{% if tools is defined and tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and tools is defined and tools %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.tool_calls is defined and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for tc in m.tool_calls %}{{ '\n' if not loop.first }}<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_CODER = QWEN.replace(
+    '{"name": <function-name>, "arguments": <args-json-object>}',
+    "<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>",
+).replace(
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}',
+    "<function={{ tc.function.name }}>{{ '\\n' }}{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>"
+    "{{ '\\n' }}{{ v }}{{ '\\n' }}</parameter>{{ '\\n' }}{% endfor %}</function>",
+)
+PHI4_MINI = (
+    "{% for m in messages %}"
+    "{% if loop.first and tools is defined and tools %}<|system|>You can call tools with functools[...]"
+    "<|tool|>{{ tools | tojson }}<|/tool|><|end|>{% endif %}"
+    "<|{{ m.role }}|>{{ m.content }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GEMMA2 = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+#: format -> (architecture, chat template, a string the template writes when it shows the tools).
+FAMILIES = {
+    "hermes": ("Qwen2ForCausalLM", QWEN, "<tools>\n{\"type\": \"function\""),
+    "qwen3": ("Qwen3ForCausalLM", QWEN, "<tools>\n{\"type\": \"function\""),
+    "llama3_json": ("LlamaForCausalLM", LLAMA31, "Given the following functions"),
+    "mistral": ("MistralForCausalLM", MISTRAL, "[AVAILABLE_TOOLS] [{\"type\": \"function\""),
+    "phi4_mini_json": ("Phi3ForCausalLM", PHI4_MINI, "<|tool|>[{\"type\": \"function\""),
+    "qwen3_coder": ("Qwen3ForCausalLM", QWEN_CODER, "<tools>\n{\"type\": \"function\""),
+}
+VOCAB = 49152  # SmolLM2's tokenizer
+MAX_MODEL_LEN = 1024  # a prompt with tools takes a few hundred tokens
+
+
+def write_family_model(out_dir, architecture: str, template: str, tokenizer_dir, seed: int = 0) -> str:
+    """A tiny random ``architecture`` checkpoint with SmolLM2's tokenizer and ``template`` as its chat template."""
+    out = Path(out_dir)
+    config = tiny_hf_config(architecture, VOCAB, tokenizer_dir, max_position_embeddings=MAX_MODEL_LEN)
+    write_random_model(out, config, seed=seed,
+                       tokenizer_dir=tokenizer_dir)
+    (out / "chat_template.jinja").write_text(template)
+    return str(out)
+
+
+def with_template(src, dst, template: str) -> str:
+    """A copy of the checkpoint directory ``src`` with another chat template."""
+    shutil.copytree(src, dst)
+    (Path(dst) / "chat_template.jinja").write_text(template)
+    return str(dst)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["zone"],
+    "additionalProperties": False}}}
+#: (id, tool_choice, parallel_tool_calls, backend) of the request lines of :func:`tool_lines`.
+CASES = (("required", "required", False, "xgrammar"),
+         ("named", {"type": "function", "function": {"name": "get_time"}}, None, "xgrammar"),
+         ("auto", "auto", False, "xgrammar"),
+         ("required-ll", "required", False, "llguidance"))
+
+
+def family_setup(model_dir: str, fmt_name: str):
+    """``--tool-call-parser auto`` on the family model in ``model_dir`` (compact JSON whitespace)."""
+    from transformers import AutoTokenizer
+
+    from tpguide.serving.tool_formats import choose_tool_format
+
+    arch = FAMILIES[fmt_name][0]
+    setup = choose_tool_format("auto", arch, AutoTokenizer.from_pretrained(model_dir), json_whitespace="compact")
+    assert setup.fmt.name == fmt_name and setup.template_tools, setup
+    return setup
+
+
+def tool_lines(setup, prefix: str, max_tokens: int = 96):
+    """Request lines of :data:`CASES` as the server maps them (one chat body each), and their tool plans by id."""
+    from tpguide.serving.protocol import parse_request
+
+    lines, plans = [], {}
+    for case, choice, parallel, backend in CASES:
+        if backend == "llguidance" and not setup.fmt.json_arguments:
+            continue  # an XML format's guide is xgrammar's only
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                "tools": [WEATHER, TIME], "tool_choice": choice, "temperature": 0, "max_tokens": max_tokens,
+                "logprobs": True, **({"parallel_tool_calls": parallel} if parallel is not None else {})}
+        parsed = parse_request(body, "chat", f"{prefix}-{case}", backend=backend, tool_format=setup)
+        (line,) = parsed.lines
+        lines.append(line)
+        plans[line["id"]] = parsed.tools
+    return lines, plans
+
+
+def run_formats(group, jobs, config):
+    """Module-level (spawnable): ``jobs`` [(model dir, request lines)] one engine after another; (outputs, stats) each."""
+    from grammar_draft_testing import run
+
+    return [run(group, model_dir, lines, config) for model_dir, lines in jobs]

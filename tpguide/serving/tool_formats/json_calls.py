@@ -1,0 +1,244 @@
+"""One table row per JSON call syntax: how a call is written, and the scanner that finds calls in output text.
+
+A call is ``call_open {"name": N, "<args_key>": A} call_close``; a list
+format wraps every call of a turn in ``block_open ... block_close``,
+separated by ``separator`` (docs/tool-calls.md has the table)::
+
+    hermes       <tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>
+    llama3_json  {"name": N, "parameters": A}            calls joined by "; "
+    mistral      [TOOL_CALLS] [{"name": N, "arguments": A}, ...]
+
+:meth:`JsonCallFormat.scan` reads any prefix of an output: the text outside
+calls, the calls whose header is complete (arguments so far), and where an
+unfinished call or list starts.  The non-streamed parser and the stream are
+two views of it, so their calls and arguments are the same slices of text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass
+class ScannedCall:
+    """A call whose header is complete: ``arguments`` is its JSON text so far (all of it once ``complete``)."""
+
+    name: str
+    arguments: str
+    complete: bool
+    start: int  # where the call (or its list) starts in the text
+
+
+@dataclass
+class Scan:
+    """What a prefix of an output holds.
+
+    ``content`` is the text outside calls that can no longer start one (all
+    of it when ``final``); ``open_at`` is where an unfinished call or list
+    starts (None when there is none).
+    """
+
+    content: str
+    calls: List[ScannedCall] = field(default_factory=list)
+    open_at: Optional[int] = None
+
+    def finished(self, text: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+        """(content, complete calls) of a finished output: an unfinished call stays in the content."""
+        rest = text[self.open_at:] if self.open_at is not None else ""
+        joined = (self.content + rest).strip()
+        return joined or None, [(c.name, c.arguments) for c in self.calls if c.complete]
+
+
+def _ws(literal: str) -> str:
+    """A regex for ``literal`` where each run of whitespace may be any whitespace (or none)."""
+    parts = re.split(r"(\s+)", literal)
+    return "".join(r"\s*" if p.isspace() else re.escape(p) for p in parts if p)
+
+
+@dataclass(frozen=True)
+class JsonCallFormat:
+    """A call syntax whose arguments are a JSON object (see the module docstring).
+
+    Attributes
+    ----------
+    name : str
+        The ``--tool-call-parser`` value.
+    call_open, call_close : str
+        Around each call's JSON object (hermes: the tags and newlines).
+    args_key : str
+        ``"arguments"`` or ``"parameters"`` (Llama 3.1).
+    separator : str
+        Between calls with ``tool_choice="required"`` (and inside a list).
+    block_open, block_close : str
+        Around the calls of a list format (``[TOOL_CALLS] [`` ... ``]``); empty otherwise.
+    trigger : str
+        The text that starts calls in free text (``tool_choice="auto"``).
+    xgrammar_model : str or None
+        xgrammar's ``get_model_structural_tag`` key when xgrammar has this
+        format: the guide's call tags are then taken from xgrammar.
+    markers : tuple of str
+        Strings in a chat template that show it writes this syntax.
+    id_length : int
+        0: OpenAI-style ids ``call_<24 hex>``; else that many alphanumerics (Mistral: 9).
+    hidden : str
+        A marker of ``block_open`` that is a special token of the tokenizer
+        (Mistral's ``[TOOL_CALLS]``): the guide forces it (the backends allow
+        its token), the decoded output text omits it, so the scanner looks
+        for the rest of ``block_open`` (:func:`~tpguide.serving.tool_formats.choose.choose_tool_format`
+        sets it).
+    """
+
+    name: str
+    call_open: str
+    call_close: str
+    separator: str
+    trigger: str
+    args_key: str = "arguments"
+    block_open: str = ""
+    block_close: str = ""
+    xgrammar_model: Optional[str] = None
+    markers: Tuple[str, ...] = ()
+    id_length: int = 0
+    hidden: str = ""
+
+    def __post_init__(self) -> None:
+        if self.hidden and (not self.block_open or self.hidden not in self.block_open):
+            raise ValueError(f"{self.name}: a hidden marker must be part of block_open, got {self.hidden!r}")
+        if not self.trigger or not (self.block_open or self.call_open or '{"name": ').startswith(self.trigger):
+            raise ValueError(f"{self.name}: the trigger {self.trigger!r} must start every call or list")
+        if bool(self.block_open) != bool(self.block_close):
+            raise ValueError(f"{self.name}: block_open and block_close go together, got "
+                             f"{self.block_open!r}, {self.block_close!r}")
+
+    # ------------------------------------------------------------ writing
+    def call_prefix(self, name: str) -> str:
+        """Everything of a call before its arguments (the forced header)."""
+        return f'{self.call_open}{{"name": {json.dumps(name)}, "{self.args_key}": '
+
+    @property
+    def call_suffix(self) -> str:
+        return "}" + self.call_close
+
+    def render_call(self, name: str, arguments: str) -> str:
+        return self.call_prefix(name) + arguments + self.call_suffix
+
+    def render_calls(self, calls: Sequence[Tuple[str, str]]) -> str:
+        """``calls`` ((name, arguments JSON text)) as the model writes them in one turn."""
+        body = self.separator.join(self.render_call(n, a) for n, a in calls)
+        return f"{self.block_open}{body}{self.block_close}"
+
+    json_arguments = True  # the arguments are one JSON object (a Lark form exists)
+
+    def new_call_id(self) -> str:
+        return new_call_id(self.id_length)
+
+    # ------------------------------------------------------------ reading
+    def _header(self) -> "re.Pattern[str]":
+        key = '"(?:parameters|arguments)"' if self.args_key == "parameters" else f'"{self.args_key}"'
+        opener = "" if self.block_open else _ws(self.call_open)
+        return re.compile(opener + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*' + key + r"\s*:\s*")
+
+    def scan(self, text: str, final: bool = False, schemas: Optional[Dict[str, Any]] = None) -> Scan:
+        """Calls and content of ``text`` (a whole output, or its prefix while streaming).
+
+        Parameters
+        ----------
+        text : str
+            The decoded output so far.
+        final : bool
+            No more text follows: nothing is held back.
+        schemas : dict, optional
+            Not used (JSON arguments need no schema to be read).
+        """
+        header, scan, pos = self._header(), Scan(""), 0
+        opener = (self.block_open or self.trigger).replace(self.hidden, "") if self.hidden else ""
+        opener = opener or self.block_open or self.trigger  # what starts a call or a list in the text
+        marker = opener.strip() or opener
+        start_re = re.compile(_ws(opener) if self.block_open else re.escape(opener))
+        tail = re.compile(r"\s*\}" + _ws(self.call_close)) if self.call_close.strip() else re.compile(r"\s*\}")
+        while True:
+            m = start_re.search(text, pos)
+            if m is None:
+                piece = text[pos:]
+                keep = len(piece)
+                if not final:  # hold what may still start a call or a list
+                    keep -= prefix_hold(piece, opener)
+                    if marker in piece:
+                        keep = min(keep, piece.index(marker))
+                scan.content += piece[:keep]
+                return scan
+            scan.content += text[pos:m.start()]
+            start = m.start()
+            at = first = m.end() if self.block_open else start
+            while True:  # the calls of one list (one call when there is no list)
+                h = header.match(text, at)
+                if h is None or h.end() == len(text):  # not a complete header yet
+                    if final and h is None and at == first:
+                        break  # the trigger was plain text
+                    scan.open_at = start
+                    return scan
+                try:
+                    name = json.loads(f'"{h.group(1)}"')
+                except json.JSONDecodeError:
+                    name = h.group(1)
+                call = ScannedCall(name, "", False, start)
+                scan.calls.append(call)
+                try:
+                    _, args_end = _DECODER.raw_decode(text, h.end())
+                except json.JSONDecodeError:
+                    call.arguments = text[h.end():]
+                    scan.open_at = start
+                    return scan
+                call.arguments = text[h.end():args_end]
+                t = tail.match(text, args_end)
+                if t is None:
+                    scan.open_at = start
+                    return scan
+                at = t.end()
+                if not self.block_open:
+                    call.complete = True
+                    joined = re.compile(_ws(self.separator) + re.escape(self.trigger)).match(text, at)
+                    if joined is not None:  # the separator before the next call is not content
+                        at = joined.end() - len(self.trigger)
+                    elif not final and (self.separator + self.trigger).startswith(text[at:]) and at < len(text):
+                        return scan  # it may become a separator: hold it
+                    break
+                more = re.compile(_ws(self.separator)).match(text, at)
+                close = re.compile(r"\s*" + re.escape(self.block_close)).match(text, at)
+                if close is not None:
+                    at = close.end()
+                    for c in scan.calls:
+                        if c.start == start:
+                            c.complete = True
+                    break
+                if more is None or more.end() == len(text):
+                    scan.open_at = start
+                    return scan
+                at = more.end()
+            if at == first:  # a trigger that starts no call (final): it is content
+                scan.content += text[start:m.end()]
+                at = m.end()
+            pos = at
+
+
+def new_call_id(length: int = 0) -> str:
+    """``call_<24 hex>`` (OpenAI's form), or ``length`` alphanumerics (Mistral: 9)."""
+    if length:
+        alphabet = string.ascii_letters + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(length))
+    return f"call_{secrets.token_hex(12)}"
+
+
+def prefix_hold(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
