@@ -169,7 +169,7 @@ def main(argv=None) -> int:
                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                               default_max_tokens=args.max_new_tokens, heartbeat_s=heartbeat,
                               tool_format=choose_tool_format(args.tool_call_parser, engine.model.config.architecture,
-                                                             engine.driver.tokenizer,
+                                                             engine.tokenizer,
                                                              args.tool_call_begin, args.tool_call_end,
                                                              config.json_whitespace, config.guided_backend),
                               channels=channels, tp_size=group.tp_size, on_leave=_end_the_job_once())
