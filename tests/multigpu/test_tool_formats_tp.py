@@ -1,10 +1,10 @@
 """Tool-call formats give the same token ids at tp 1 and tp 2, and with grammar drafts on and off.
 
-One job covers llama3_json, mistral and qwen3 (hermes is covered by
+One job covers llama3_json, mistral, qwen3 and qwen3_coder (hermes is covered by
 ``test_engine_grammar_draft.py``), each on a tiny random model of its family
 with a family-style template (``tests/tool_format_testing.py``), with
 ``tool_choice`` required, named and auto on xgrammar and required on
-llguidance: two gloo ranks with grammar drafts (the default) give exactly
+llguidance (not for qwen3_coder, whose guide is xgrammar's only): two gloo ranks with grammar drafts (the default) give exactly
 the token ids and logprobs of tp 1 without drafts, and so does tp 1 with
 drafts; the forced parts of a call (the call's opening, the name, the
 arguments key) are drafted and accepted, so a required or named call takes
@@ -22,7 +22,7 @@ from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine.engine import EngineConfig
 from tpguide.model.dtype import resolve_dtype
 
-FORMATS_TP = ("llama3_json", "mistral", "qwen3")
+FORMATS_TP = ("llama3_json", "mistral", "qwen3", "qwen3_coder")
 BASE = dict(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, guided_backend="auto",
             dtype=resolve_dtype("auto", "cpu"))
 
@@ -43,7 +43,8 @@ def plain(jobs):
     results = run_formats(TPGroup(), jobs, EngineConfig(**BASE, speculative_method=None))
     for outputs, _ in results:
         assert all(o["finish_reason"] in ("stop", "length") for o in outputs), [o["error"] for o in outputs]
-        assert [o["finish_reason"] for o in outputs if "auto" not in o["id"]] == ["stop"] * 3
+        forced = [o["finish_reason"] for o in outputs if "auto" not in o["id"]]
+        assert forced == ["stop"] * len(forced) and len(forced) >= 2  # qwen3_coder has no llguidance line
     return results
 
 
