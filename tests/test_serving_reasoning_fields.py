@@ -32,3 +32,27 @@ def test_message_fields_and_stream_deltas():
     assert stream.delta("ab\ufffd", final=False) == "ab"  # a character cut between tokens waits
     assert stream.delta("abé", final=False) == "é"
     assert stream.delta("abé", final=True) == ""
+
+
+def test_tool_calls_come_from_the_answer_never_the_reasoning():
+    from types import SimpleNamespace
+
+    from tpguide.serving.responses import build_answer
+    from tpguide.serving.tool_calls import ToolCallFormat
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = ToolCallFormat().render_call("get_weather", '{"city": "Paris"}')
+    parsed = parse_request(_body(tools=[weather], tool_choice="auto"), "chat", "r")
+
+    def answer(reasoning, text):
+        out = SimpleNamespace(text=text, reasoning=reasoning, finish_reason="stop", token_ids=[1, 2],
+                              num_prompt_tokens=3, logprobs=None, error=None)
+        return build_answer(parsed, "r", [out], token_text=None)["choices"][0]
+
+    thought = answer(f"maybe {call}", "It is sunny.")  # a call the model only thought about
+    assert thought["finish_reason"] == "stop" and "tool_calls" not in thought["message"]
+    assert thought["message"]["content"] == "It is sunny." and thought["message"]["reasoning"] == f"maybe {call}"
+    made = answer("I should call it.", call)
+    assert made["finish_reason"] == "tool_calls"
+    assert made["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -9,20 +9,9 @@ verify window, and grammar rows from the next row on.  Each step the engine (on 
     fail requests of dead_rows (decoder.failure_reason(slot)); split_bitmask; scatter
     decoder.accept_token(slot, token)      # each verified output token (engine/finisher.py)
 
-The verify fill, ``1 + k`` consecutive rows per request (``k`` drafts, 0 in
-a plain step), follows the rollback discipline of
-:mod:`tpguide.guided.draft_cursor`::
-
-    row 0   state after the verified tokens          (fill)
-    row j   state after d_1 .. d_j                   (accept d_j, fill)
-            stop at the first draft the grammar rejects, at a stop token
-            or at a dead end: the later rows are unguided
-    then    roll the matcher back at once
-
-Rows past the last filled one are unguided: the target can never reach them
-as its bonus row, because row ``m`` forbids ``d_{m+1}`` (or the request
-stopped at ``d_m``).  The drafters ask through :meth:`GuidedDecoder.drafting`
-(grammar drafts, :mod:`tpguide.speculative.grammar_draft`),
+The verify fill gives ``1 + k`` consecutive rows per request (``k``
+drafts, 0 in a plain step): :mod:`tpguide.guided.verify_rows`.  The
+drafters ask through :meth:`GuidedDecoder.drafting` (grammar drafts, :mod:`tpguide.speculative.grammar_draft`),
 :meth:`~GuidedDecoder.accepted_prefix` (n-gram drafts) and
 :meth:`~GuidedDecoder.fill_draft_bitmask` (the draft head,
 :mod:`tpguide.speculative.draft_loop`).
@@ -46,12 +35,13 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from tpguide.guided.bitmask import allocate_token_bitmask, find_dead_end_rows
+from tpguide.guided.bitmask import allocate_token_bitmask
 from tpguide.guided.draft_cursor import DraftCursor, drafting
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.slot_record import SlotRecord
 from tpguide.guided.thinking import Thinking, ThinkingRows
+from tpguide.guided.verify_rows import fill_window_rows, record_cursor
 
 
 class GuidedDecoder:
@@ -223,11 +213,6 @@ class GuidedDecoder:
         with drafting(self._records[slot].matcher) as cursor:
             yield cursor
 
-    @staticmethod
-    def _cursor(record: SlotRecord):
-        """A cursor on ``record``'s matcher (rolled back at the end), or None for an unguided record."""
-        return drafting(record.matcher) if record.matcher is not None else contextlib.nullcontext()
-
     def accepted_prefix(self, slot: int, drafts: Sequence[int]) -> List[int]:
         """The longest prefix of ``drafts`` the rows allow from ``slot``'s state, ending at a stop token.
 
@@ -241,7 +226,7 @@ class GuidedDecoder:
         accepted: List[int] = []
         walk = record.thinking.walk() if record.is_thinking else None
         rows = self._thinking_rows.get(walk.end_token_id) if walk is not None else None
-        with self._cursor(record) as cursor:
+        with record_cursor(record) as cursor:
             for token in drafts:
                 if walk is not None and not walk.ended:
                     if not walk.allows(token, rows.stop_token_ids, guided=cursor is not None):
@@ -306,7 +291,8 @@ class GuidedDecoder:
 
         def fill(job: tuple) -> tuple:
             slot, drafts, first = job
-            return slot, first, self._fill_slot(slot, drafts, token_bitmask, token_mask, first)
+            return slot, first, fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
+                                                 self._thinking_rows, self.padded_vocab_size)
 
         dead_rows: List[int] = []
         for slot, first, error in self._map(fill, jobs, num_rows):
@@ -316,48 +302,6 @@ class GuidedDecoder:
                 token_mask[first] = 0
                 dead_rows.append(first)
         return token_bitmask, token_mask, sorted(dead_rows)
-
-    def _fill_slot(self, slot: int, drafts: List[int], token_bitmask: torch.Tensor,
-                   token_mask: torch.Tensor, first: int) -> Optional[str]:
-        """Fill rows ``first .. first + len(drafts)`` of ``slot``; the error message of row 0, else None.
-
-        Thinking rows until ``</think>`` (the verified state, then the
-        drafts), grammar rows after it; rows after a draft that its row
-        forbids are left unguided (the target can never reach them).
-        """
-        record = self._records[slot]
-        walk = record.thinking.walk() if record.is_thinking else None
-        rows = self._thinking_rows.get(walk.end_token_id) if walk is not None else None
-        with self._cursor(record) as cursor:
-            for j in range(len(drafts) + 1):
-                row = first + j
-                if j > 0 and walk is not None and not walk.ended:
-                    if not walk.allows(drafts[j - 1], rows.stop_token_ids, guided=cursor is not None):
-                        return None
-                    walk.advance(drafts[j - 1])
-                elif j > 0 and (cursor is None or not cursor.accept(drafts[j - 1])
-                                or cursor.matcher.is_terminated()):
-                    return None  # a rejected draft, or a stop token drafted: the request ends there if accepted
-                if walk is not None and not walk.ended:
-                    token_mask[row] = rows.fill(token_bitmask, row, walk, guided=cursor is not None)
-                    continue
-                if cursor is None:
-                    return None  # an unguided answer
-                matcher = cursor.matcher
-                try:
-                    matcher.fill_next_token_bitmask(token_bitmask, row)
-                except Exception as exc:
-                    token_bitmask[row] = -1
-                    return f"slot {slot}: matcher error while filling the bitmask: {exc}" if j == 0 else None
-                token_mask[row] = 1
-                if bool(find_dead_end_rows(token_bitmask[row : row + 1], self.padded_vocab_size)[0]):
-                    token_mask[row] = 0
-                    token_bitmask[row] = -1
-                    if j == 0:
-                        return (f"slot {slot}: grammar dead end, no allowed token below "
-                                f"padded_vocab_size={self.padded_vocab_size}")
-                    return None
-        return None
 
     def fill_draft_bitmask(self, slots: Sequence[Optional[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
         """One full row per drafting request from its matcher's current state (draft head).
