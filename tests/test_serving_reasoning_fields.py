@@ -38,11 +38,11 @@ def test_tool_calls_come_from_the_answer_never_the_reasoning():
     from types import SimpleNamespace
 
     from tpguide.serving.responses import build_answer
-    from tpguide.serving.tool_calls import ToolCallFormat
+    from tpguide.serving.tool_formats import hermes
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    call = ToolCallFormat().render_call("get_weather", '{"city": "Paris"}')
+    call = hermes().render_calls([("get_weather", '{"city": "Paris"}')])  # the server's default format
     parsed = parse_request(_body(tools=[weather], tool_choice="auto"), "chat", "r")
 
     def answer(reasoning, text):
