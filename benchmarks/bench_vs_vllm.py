@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -124,22 +123,12 @@ def shared_prefix_phases() -> List[List[dict]]:
 
 
 def is_valid(line: dict, text: str) -> bool:
-    """Whether ``text`` satisfies ``line``'s guide (JSON schema, JSON object, regex, choice); True without one."""
-    import jsonschema
+    """Whether ``text`` satisfies ``line``'s guide, by the engine's own check (True without a guide)."""
+    from tpguide.engine.request_io import request_from_dict
+    from tpguide.guided.schema_check import validate_output
 
-    guide = line.get("structured_output") or {}
-    try:
-        if "json" in guide:
-            jsonschema.validate(json.loads(text), guide["json"])
-        elif "json_object" in guide:
-            return isinstance(json.loads(text), dict)
-        elif "regex" in guide:
-            return re.fullmatch(guide["regex"], text) is not None
-        elif "choice" in guide:
-            return text in guide["choice"]
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
+    req = request_from_dict(line, 0, 64)
+    return req.structured_output is None or validate_output(req.structured_output, text) is None
 
 
 def run_side(system: str, python: str, job: dict) -> Dict[str, Any]:

@@ -41,7 +41,8 @@ def _content_text(content: Any, where: str) -> str:
                       f"{where}.content")
 
 
-def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
+def _checked_calls(calls: Any, where: str) -> List[tuple]:
+    """``(j, call, function)`` of each assistant tool call; 400 when ``calls`` is not a list of named functions."""
     if not isinstance(calls, list):
         raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
@@ -49,6 +50,13 @@ def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
+        out.append((j, call, fn))
+    return out
+
+
+def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
+    out = []
+    for _, _, fn in _checked_calls(calls, where):
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
@@ -58,13 +66,8 @@ def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
 
 def _structured_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
     """Assistant ``tool_calls`` for a chat template that renders them: arguments as an object (transformers' form)."""
-    if not isinstance(calls, list):
-        raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
+    for j, call, fn in _checked_calls(calls, where):
         args = fn.get("arguments", "{}")
         try:
             args = json.loads(args) if isinstance(args, str) else args
