@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,17 +133,31 @@ def is_valid(line: dict, text: str) -> bool:
 
 
 def run_side(system: str, python: str, job: dict) -> Dict[str, Any]:
-    """Run one fresh process of ``system``; its result plus the process wall time (s)."""
+    """Run one fresh process of ``system``; its result plus the process wall time (s).
+
+    The side writes to a file, not a pipe, and runs in its own session that is
+    killed once it exits: vLLM's engine-core children outlive the side's
+    ``os._exit`` and would hold a pipe open (the wall time would include them).
+    """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     env = dict(os.environ, PYTHONPATH=str(REPO) if system == "tpguide" else "")
-    start = time.perf_counter()
-    proc = subprocess.run([python, str(SIDE), system, f.name], capture_output=True, text=True, env=env, cwd=REPO)
-    wall = time.perf_counter() - start
+    with tempfile.TemporaryFile("w+") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen([python, str(SIDE), system, f.name], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO, start_new_session=True)
+        code = proc.wait()
+        wall = time.perf_counter() - start
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.seek(0)
+        text = log.read()
     os.unlink(f.name)
-    found = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{system} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    found = [x for x in text.splitlines() if x.startswith("RESULT ")]
+    if code != 0 or not found:
+        raise RuntimeError(f"{system} failed (exit {code}): {text[-3000:]}")
     return {**json.loads(found[-1][7:]), "process_s": wall}
 
 
