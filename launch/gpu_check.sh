@@ -14,7 +14,7 @@
 #   usage: bash launch/gpu_check.sh [--quick]        (--quick: steps 0-3 only)
 # Environment (defaults):
 #   TPGUIDE_GPU_DIR=.gpu    holds smollm2/ (the exported tokenizer) and vllm_fixtures.jsonl
-#   TPGUIDE_WHEELS=.whl     TPGUIDE_REQUESTS=$TPGUIDE_GPU_DIR/vllm_fixtures.jsonl (else ../shared/bench-data/...)
+#   TPGUIDE_WHEELS=.whl     TPGUIDE_REQUESTS=$TPGUIDE_GPU_DIR/vllm_fixtures.jsonl (the bench data's fixtures file)
 #   GPU_CHECK_LIMITS="60 45 150 130 40"   seconds of steps 2, 3, 4, 5, 6
 #   GPU_CHECK_KERNEL_ARGS, GPU_CHECK_DEMO_ARGS, GPU_CHECK_EXACT_ARGS, GPU_CHECK_SPEED_ARGS: extra flags
 #   GPU_CHECK_ALLOW_CPU=1   run without a GPU (a dry run of the plumbing, with tiny settings in the flags)
@@ -25,7 +25,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GPU_DIR="${TPGUIDE_GPU_DIR:-.gpu}"
 WHEELS="${TPGUIDE_WHEELS:-.whl}"
 REQUESTS="${TPGUIDE_REQUESTS:-$GPU_DIR/vllm_fixtures.jsonl}"
-[ -f "$REQUESTS" ] || REQUESTS="../shared/bench-data/vllm_fixtures.jsonl"
+[ -f "$REQUESTS" ] || { echo "[gpu_check] no requests file $REQUESTS: copy the bench data's vllm_fixtures.jsonl" \
+    "there or set TPGUIDE_REQUESTS (docs/gpu.md \"Running the GPU acceptance\")" >&2; exit 1; }
 read -r LIMIT_KERNELS LIMIT_DEMO LIMIT_EXACT LIMIT_SPEED LIMIT_PROFILE <<< "${GPU_CHECK_LIMITS:-60 45 150 130 40}"
 LIMIT_PROFILE="${LIMIT_PROFILE:-40}"
 QUICK=0
