@@ -319,7 +319,7 @@ class Engine:
         return self._require_driver().tokenizer
 
     def guided_backend(self):
-        """The grammar backend of ``config.guided_backend`` (driver), built on the first call."""
+        """The grammar backend of ``config.guided_backend`` (driver; built at engine start-up)."""
         return self._require_driver().guided_decoder().backend
 
     def wait_for_admissions(self) -> None:
