@@ -49,12 +49,14 @@ def _plan(seqs, guided, step):
 
 
 def _bitmask(num_rows, bitmask_size, seed):
-    """A BitmaskSource: random words (every row has allowed tokens), row 1 unguided."""
+    """The driver's BitmaskSlices at tp 1: random words (every row has allowed tokens), row 1 unguided."""
     g = torch.Generator().manual_seed(seed)
     words = torch.randint(-2**31, 2**31 - 1, (num_rows, bitmask_size), generator=g, dtype=torch.int64)
     token_mask = torch.ones(num_rows, dtype=torch.int32)
     token_mask[1:2] = 0
-    return lambda: (token_mask, [words.to(torch.int32)])
+    from tpguide.worker.protocol import BitmaskSlices
+
+    return BitmaskSlices(token_mask, [words.to(torch.int32)])
 
 
 def case_padded_equals_unpadded(device):

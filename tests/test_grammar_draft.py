@@ -6,6 +6,7 @@ import pytest
 import torch
 from guided_testing import load_test_backend
 
+from tpguide.engine.drafting import draft_input_of
 from tpguide.engine.request import Request, SamplingParams
 from tpguide.guided import StructuredOutputsParams, make_backend, token_ids_to_bitmask_row
 from tpguide.guided.bitmask import single_allowed_token
@@ -103,7 +104,7 @@ def _request(slot, structured=True, **sampling):
     req.slot = slot
     if structured:
         req.structured_output = StructuredOutputsParams.from_request({"json": SCHEMA})
-    return req
+    return draft_input_of(req)
 
 
 class FixedNgram:

@@ -60,11 +60,14 @@ def test_engine_config_defaults_to_grammar_drafts_with_k_4():
 
 
 def test_draft_head_speculator_reserves_placeholders():
+    from tpguide.engine.drafting import draft_input_of
     from tpguide.engine.request import Request, SamplingParams
     from tpguide.speculative.verify import DRAFT_PENDING, Speculator
 
     spec = Speculator("draft-head", 3, max_model_len=64)
     req = Request("r", 0, SamplingParams(max_tokens=10), prompt_token_ids=[1, 2], output_token_ids=[5])
+    req.slot = 0
+    req = draft_input_of(req)
     assert spec.propose(req, budget=8) == [DRAFT_PENDING] * 3
     assert spec.propose(req, budget=3) == [DRAFT_PENDING] * 2  # the golden token takes one
 
@@ -120,11 +123,11 @@ def test_scheduler_drafts_never_starve_a_later_decode():
     from tpguide.engine.request import Request, SamplingParams
     from tpguide.engine.scheduler import Scheduler
 
-    sched = Scheduler(3, 6, propose_drafts=lambda req, budget: [7] * (budget - 1))
+    sched = Scheduler(3, 6)
     for i in range(3):
         req = Request(f"r{i}", i, SamplingParams(max_tokens=10), prompt_token_ids=[1, 2], output_token_ids=[5])
         req.slot, req.num_computed_tokens = i, 2
         sched.running[i] = req
-    seqs = sched.schedule()
+    seqs = sched.schedule({i: [7] * 5 for i in range(3)})  # the drafting phase's drafts, cut to the budget
     assert [(s.slot, s.num_draft_tokens, len(s.token_ids)) for s in seqs] == [(0, 3, 4), (1, 0, 1), (2, 0, 1)]
     assert seqs[0].token_ids == [5, 7, 7, 7] and seqs[0].start_position == 2

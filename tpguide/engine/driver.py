@@ -4,9 +4,11 @@
 matchers and the speculator.  :class:`~tpguide.engine.engine.Engine` calls,
 per step::
 
-    planned = driver.plan_step(...)          # a PlannedStep value (engine/planner.py)
-    filled  = driver.fill_bitmask(planned)   # in a thread, while the forward runs
-    result  = runner.execute(planned.plan, <the filled rows>)   # every rank (tpguide/worker/runner.py)
+    scheduled = driver.schedule_step()                # drafts proposed, then scheduled (engine/drafting.py)
+    planned = driver.plan_step(scheduled, <draft-head drafts>)  # a PlannedStep value (engine/planner.py)
+    filled  = driver.fill_bitmask(planned)            # in a thread, while the forward runs
+    forward = runner.execute_model(planned.plan)      # every rank (tpguide/worker/runner.py)
+    result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(filled, tp_size))
     outputs = driver.finish_step(planned, result, filled)       # StepFinisher (engine/finisher.py)
 
 Everything here fails per request: a bad prompt, a grammar that does not
@@ -25,13 +27,13 @@ request up front (fail closed, docs/architecture.md §5) belong here.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
+from tpguide.engine.drafting import head_draft_requests, propose_drafts, with_head_drafts
 from tpguide.engine.finisher import StepFinisher
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.planner import PlannedStep, planned_step_of
@@ -43,8 +45,8 @@ from tpguide.guided.compile_service import CompileService
 from tpguide.guided.schema_check import validate_output
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
-from tpguide.speculative.verify import DRAFT_PENDING, Speculator
-from tpguide.worker.protocol import StepResult
+from tpguide.speculative.verify import Speculator
+from tpguide.worker.protocol import BitmaskSlices, StepResult
 
 
 def tokenize_prompt(tokenizer, req: Request) -> List[int]:
@@ -196,8 +198,7 @@ class Driver:
             self.spec = Speculator(config.speculative_method, config.num_speculative_tokens, config.max_model_len,
                                    grammar_drafter=grammar)
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   propose_drafts=self._propose_drafts if self.spec else None, kv=self.kv)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, kv=self.kv)
         self.finisher = StepFinisher(set(stop_token_ids), config.max_model_len, self.spec,
                                      detokenize=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
         self.num_steps = 0
@@ -215,10 +216,6 @@ class Driver:
     @stop_token_ids.setter
     def stop_token_ids(self, ids) -> None:
         self.finisher.stop_token_ids = set(ids)
-
-    def _propose_drafts(self, req: Request, budget: int) -> List[int]:
-        """The scheduler's hook: ``req``'s drafts, with the matchers for a guided request."""
-        return self.spec.propose(req, budget, self.guided if req.structured_output is not None else None)
 
     # ------------------------------------------------------------ admission
     def guided_decoder(self) -> GuidedDecoder:
@@ -350,19 +347,19 @@ class Driver:
         return outputs
 
     # ------------------------------------------------------------ the step
-    def plan_step(self, draft=None) -> Optional[PlannedStep]:
-        """Schedule the next step and plan it; None when nothing can be scheduled.
+    def schedule_step(self) -> List[ScheduledRequest]:
+        """The drafting phase, then the scheduler: the next step's requests (maybe none).
 
-        Parameters
-        ----------
-        draft : callable, optional
-            ``draft(guided, requests) -> drafts``: the drafts of the decode
-            requests (a list of :class:`~tpguide.speculative.draft_loop.DraftRequest`);
-            speculative ``draft-head``: a collective drafting loop.
+        Every decoding request's drafts are proposed first (:mod:`tpguide.engine.drafting`)
+        and handed to the scheduler as values; a request that got its slot
+        this step gets a fresh matcher.  ``draft-head`` drafts are placeholders
+        until the drafting loop (:meth:`head_draft_requests`, :meth:`plan_step`).
         """
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return None
+        drafts = None
+        if self.spec is not None:
+            drafts = propose_drafts(self.spec, self.guided, self.scheduler.decoding(),
+                                    self.config.max_num_batched_tokens)
+        scheduled = self.scheduler.schedule(drafts)
         for s in scheduled:
             req = s.request
             if s.is_new and req.has_grammar_state:  # from the prompt's end, cached prefix or not
@@ -372,29 +369,24 @@ class Driver:
                     self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
                 except ValueError as exc:
                     req.fail(str(exc))
-        if draft is not None:
-            scheduled = self._with_drafts(scheduled, draft)
-        self.num_steps += 1
-        return planned_step_of(self.num_steps, scheduled)
+        return scheduled
 
-    def _with_drafts(self, scheduled: List[ScheduledRequest], draft) -> List[ScheduledRequest]:
-        """``scheduled`` with its reserved draft positions (:data:`DRAFT_PENDING`) replaced by the drafter's drafts.
+    def head_draft_requests(self, scheduled: List[ScheduledRequest]) -> List[DraftRequest]:
+        """The draft-head drafting loop's requests of ``scheduled`` (:func:`~tpguide.engine.drafting.head_draft_requests`)."""
+        return head_draft_requests(scheduled, self.guided)
 
-        Requests that drafted their forced text already keep those drafts.
+    def plan_step(self, scheduled: List[ScheduledRequest],
+                  head_drafts: Optional[List[List[int]]] = None) -> PlannedStep:
+        """Plan the step of ``scheduled`` (:meth:`schedule_step`, not empty).
+
+        Parameters
+        ----------
+        head_drafts : list of list of int, optional
+            ``draft-head``: the drafting loop's drafts, one list per request of
+            :meth:`head_draft_requests`, in its order.
         """
-        drafting = [s for s in scheduled if s.num_draft_tokens and s.token_ids[1] == DRAFT_PENDING
-                    and not s.request.is_finished]
-        requests = [DraftRequest(slot=s.slot, last_token=s.token_ids[0], position=s.start_position,
-                                 max_drafts=s.num_draft_tokens,
-                                 guided=(self.guided is not None and s.request.structured_output is not None
-                                         and self.guided.is_guided(s.slot)
-                                         and not self.guided.record(s.slot).is_thinking),
-                                 block_table=list(s.request.block_ids))
-                    for s in drafting]
-        found = {id(s): d for s, d in zip(drafting, draft(self.guided, requests))}
-        return [dataclasses.replace(s, token_ids=s.token_ids[:1] + found.get(id(s), []),
-                                    num_draft_tokens=len(found.get(id(s), [])))
-                if s.num_draft_tokens and s.token_ids[1] == DRAFT_PENDING else s for s in scheduled]
+        self.num_steps += 1
+        return planned_step_of(self.num_steps, with_head_drafts(scheduled, head_drafts))
 
     def fill_bitmask(self, planned: PlannedStep) -> Filled:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
@@ -404,9 +396,9 @@ class Driver:
         return Filled(token_bitmask, token_mask, list(failed))
 
     @staticmethod
-    def bitmask_slices(filled: Filled, tp_size: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def bitmask_slices(filled: Filled, tp_size: int) -> BitmaskSlices:
         """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
-        return filled.token_mask, split_bitmask(filled.token_bitmask, tp_size)
+        return BitmaskSlices(filled.token_mask, split_bitmask(filled.token_bitmask, tp_size))
 
     def finish_step(self, planned: PlannedStep, result: StepResult,
                     filled: Optional[Filled] = None) -> List[RequestOutput]:

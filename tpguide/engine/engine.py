@@ -15,11 +15,18 @@ In the style of vLLM's / nano-vllm's ``LLMEngine``.  On the driver (tp_rank
 
 and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 
-    driver   plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
-             [draft-head drafting loop, collective]               (speculative/draft_loop.py)
+    driver   schedule   Driver.schedule_step: drafts proposed, then scheduled (engine/drafting.py)
+             [draft-head drafting loop, collective: HeadDrafting] (speculative/draft_loop.py)
+             plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
              fill       Driver.fill_bitmask, in a thread -> Filled (engine/driver.py)
-    all      execute    StepRunner.execute(plan) -> StepResult    (worker/runner.py)
+             broadcast  the STEP message
+    all      forward    StepRunner.execute_model(plan) -> ForwardOutput  (worker/runner.py)
+             sample     StepRunner.sample_tokens(plan, forward, the filled slices) -> StepResult
     driver   finish     Driver.finish_step(planned, result, filled) -> outputs (engine/finisher.py)
+
+The driver waits for the fill between the forward and the sampling; the
+other ranks run the same two phases (:meth:`StepRunner.execute`), with the
+same collectives in the same order.
 
 An idle :meth:`step` (nothing waiting or running) returns at once without a
 collective.  An unexpected exception on the driver *between* steps is sent
@@ -57,7 +64,8 @@ from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import check_whitespace_mode
 from tpguide.model.config import ModelConfig
-from tpguide.worker.protocol import Message, StepResult
+from tpguide.speculative.draft_loop import HeadDrafting
+from tpguide.worker.protocol import Message
 from tpguide.worker.runner import StepRunner
 from tpguide.worker.step_inputs import StepCapacity
 
@@ -348,31 +356,33 @@ class Engine:
             pending finished outputs (maybe none) at once, and no collective.
         """
         drv = self._require_driver()
-        drafting = self.draft_head is not None
         with self._between_steps():
             outputs = drv.take_finished_outside_steps()
             if not drv.has_work():
                 return outputs
-        with self._between_steps(inside=drafting):  # the drafting loop runs collectives
-            planned = drv.plan_step(self._draft if drafting else None)
-            if planned is None:
+            scheduled = drv.schedule_step()  # the drafting phase, then the scheduler
+            if not scheduled:
                 return outputs
+        with self._between_steps(inside=self.draft_head is not None):  # the drafting loop runs collectives
+            head_drafts = self._draft_with_head(drv, scheduled) if self.draft_head is not None else None
+            planned = drv.plan_step(scheduled, head_drafts)
             filling = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
             C.broadcast_object(Message.for_step(planned.plan), self.group)
-        result = self._execute(drv, planned, filling)  # inside the step: an error ends the process
+        # inside the step: an error ends the process
+        forward = self.runner.execute_model(planned.plan)  # the fill overlaps the forward
+        filled = filling.result() if filling is not None else None
+        bitmask = drv.bitmask_slices(filled, self.group.tp_size) if filled is not None else None
+        result = self.runner.sample_tokens(planned.plan, forward, bitmask)
         with self._between_steps():
-            return outputs + drv.finish_step(planned, result, filling.result() if filling else None)
+            return outputs + drv.finish_step(planned, result, filled)
 
-    def _execute(self, drv: Driver, planned, filling) -> StepResult:
-        """This rank's part of the step; the driver's bitmask rows come from ``filling`` once filled."""
-        slices = (lambda: drv.bitmask_slices(filling.result(), self.group.tp_size)) if filling else None
-        return self.runner.execute(planned.plan, slices)
-
-    def _draft(self, guided, requests) -> List[List[int]]:
-        from tpguide.speculative.draft_loop import draft_with_head
-
-        return draft_with_head(guided, self.driver.stop_token_ids, self.draft_head, self.group, requests,
-                               send=lambda plan: C.broadcast_object(Message.for_draft(plan), self.group))
+    def _draft_with_head(self, drv: Driver, scheduled) -> List[List[int]]:
+        """The draft-head drafting loop (a collective): a DRAFT message per iteration, every rank drafts."""
+        with HeadDrafting(drv.guided, drv.stop_token_ids, drv.head_draft_requests(scheduled)) as loop:
+            while (step := loop.next_step()) is not None:
+                C.broadcast_object(Message.for_draft(step.plan), self.group)
+                loop.record(self.runner.draft(step.plan, step.token_bitmask).tolist())
+        return loop.drafts
 
     def keepalive(self) -> None:
         """Broadcast a HEARTBEAT message (driver): the waiting ranks leave and re-enter their wait."""

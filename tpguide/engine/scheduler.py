@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional
 
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.request import Request
@@ -76,10 +76,6 @@ class Scheduler:
         Request slots = requests running (or preempted) at once.
     max_num_batched_tokens : int
         Token budget of one step (prefill chunks are cut to fit).
-    propose_drafts : callable, optional
-        ``propose_drafts(request, budget) -> list of int``: draft tokens a
-        decode step verifies after the last sampled token (at most
-        ``budget - 1``); None disables speculative decoding.
     kv : KVCacheManager, optional
         The block pool; default: ``max_num_seqs`` blocks of ``2**30`` tokens,
         one per request, prefix caching off (the scheduler alone, in tests).
@@ -98,7 +94,6 @@ class Scheduler:
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
-                 propose_drafts: Optional[Callable[[Request, int], List[int]]] = None,
                  kv: Optional[KVCacheManager] = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -107,7 +102,6 @@ class Scheduler:
             )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.propose_drafts = propose_drafts
         self.kv = kv if kv is not None else KVCacheManager(max_num_seqs, 1 << 30, enable_prefix_caching=False)
         self.waiting: Deque[Request] = deque()
         self.running: Dict[int, Request] = {}
@@ -139,11 +133,25 @@ class Scheduler:
             self.free_slots.append(request.slot)
             self.kv.free(request)
 
-    def schedule(self) -> List[ScheduledRequest]:
-        """Pick this step's work; admitted requests get a slot, every scheduled one its KV blocks."""
+    def decoding(self) -> List[Request]:
+        """The running requests past their prompt, oldest first: those a step decodes (and may draft for)."""
+        return [r for r in sorted(self.running.values(), key=lambda r: r.admit_order) if not r.is_prefill]
+
+    def schedule(self, drafts: Optional[Dict[int, List[int]]] = None) -> List[ScheduledRequest]:
+        """Pick this step's work; admitted requests get a slot, every scheduled one its KV blocks.
+
+        Parameters
+        ----------
+        drafts : dict of int to list of int, optional
+            Per slot of a decoding request: the draft tokens proposed for it
+            (the drafting phase, docs/architecture.md §1), verified after its
+            last sampled token.  Each keeps the prefix the token budget allows
+            once every later decode has its golden token.
+        """
+        drafts = drafts or {}
         seqs: List[ScheduledRequest] = []
         order = sorted(self.running.values(), key=lambda r: r.admit_order)  # oldest first
-        decoding = [r for r in order if not r.is_prefill]
+        decoding = self.decoding()
         preempted_before = self.num_preemptions
         for req in list(decoding):
             budget = self._budget(seqs)
@@ -153,11 +161,10 @@ class Scheduler:
             if self.running.get(req.slot) is not req:
                 continue  # preempted by an older request this step
             spare = budget - len(decoding)
-            drafts = self.propose_drafts(req, spare) if self.propose_drafts and spare > 1 else []
-            assert len(drafts) < max(spare, 1), (len(drafts), spare)
-            if self._allocate_or_preempt(req, req.num_tokens + len(drafts), seqs):
-                seqs.append(ScheduledRequest(req, req.slot, [req.output_token_ids[-1]] + drafts,
-                                             req.num_tokens - 1, False, True, len(drafts)))
+            kept = list(drafts.get(req.slot, ()))[:max(spare - 1, 0)]
+            if self._allocate_or_preempt(req, req.num_tokens + len(kept), seqs):
+                seqs.append(ScheduledRequest(req, req.slot, [req.output_token_ids[-1]] + kept,
+                                             req.num_tokens - 1, False, True, len(kept)))
         for req in order:
             budget = self._budget(seqs)
             if budget > 0 and req.is_prefill and self.running.get(req.slot) is req:

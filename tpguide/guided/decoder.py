@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -289,13 +289,8 @@ class GuidedDecoder:
                 jobs.append((slot, list(drafts), row))
             row += 1 + len(drafts)
 
-        def fill(job: tuple) -> tuple:
-            slot, drafts, first = job
-            return slot, first, fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
-                                                 self._thinking_rows, self.padded_vocab_size)
-
         dead_rows: List[int] = []
-        for slot, first, error in self._map(fill, jobs, num_rows):
+        for slot, first, error in self._fill_windows(jobs, token_bitmask, token_mask, num_rows):
             if error is not None:
                 self._records[slot].failure = error
                 token_bitmask[first] = -1
@@ -353,17 +348,30 @@ class GuidedDecoder:
         token_mask.zero_()
         return token_bitmask, token_mask
 
-    def _map(self, fn: Callable, jobs: list, num_rows: int) -> list:
-        """``[fn(job) for job in jobs]``, in the fill threads when more than ``parallel_threshold`` rows are filled.
+    def _fill_windows(self, jobs: list, token_bitmask: torch.Tensor, token_mask: torch.Tensor,
+                      num_rows: int) -> list:
+        """``(slot, first row, error)`` of each ``(slot, drafts, first row)`` job's window rows.
 
-        Each job must touch its own matchers and rows only; results come back in no particular order.
+        In the fill threads when more than ``parallel_threshold`` rows are
+        filled: each job touches its own matchers and rows only; results come
+        back in no particular order.
         """
         if self.num_threads <= 1 or num_rows <= self.parallel_threshold:
-            return [fn(job) for job in jobs]
+            return self._fill_chunk(jobs, token_bitmask, token_mask)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tpguide-bitmask")
         chunks = [jobs[i :: self.num_threads] for i in range(self.num_threads)]
-        return [r for results in self._pool.map(lambda chunk: [fn(job) for job in chunk], chunks) for r in results]
+        futures = [self._pool.submit(self._fill_chunk, chunk, token_bitmask, token_mask) for chunk in chunks]
+        return [r for future in futures for r in future.result()]
+
+    def _fill_chunk(self, jobs: list, token_bitmask: torch.Tensor, token_mask: torch.Tensor) -> list:
+        """:meth:`_fill_windows` of ``jobs``, one after the other."""
+        results = []
+        for slot, drafts, first in jobs:
+            error = fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
+                                     self._thinking_rows, self.padded_vocab_size)
+            results.append((slot, first, error))
+        return results
 
     def close(self) -> None:
         """Stop the fill threads."""

@@ -118,7 +118,10 @@ class AttentionMetadata:
         Built on first use, shared by every layer.  Padded query rows keep
         key 0 visible so no row is all-masked; they are dropped after attention.
         """
-        return self._derive("causal", self._causal_mask)
+        mask = self._derived.get("causal")
+        if mask is None:
+            mask = self._derived["causal"] = self._causal_mask()
+        return mask
 
     def sliding_window_mask(self, sliding_window: int) -> torch.Tensor:
         """bool ``[num_seqs, 1, max_query_len, max_seq_len]``: :attr:`attn_mask` and ``key > query_pos - window``.
@@ -143,16 +146,17 @@ class AttentionMetadata:
 
         ``-1`` for a padding token (position ``< 0``): nothing is written.
         """
-        return self._derive(("write", block_size), lambda: self._slot_mapping(block_size))
+        slots = self._derived.get(("write", block_size))
+        if slots is None:
+            slots = self._derived[("write", block_size)] = self._slot_mapping(block_size)
+        return slots
 
     def key_index(self, block_size: int) -> torch.Tensor:
         """int64 ``[num_seqs, max_seq_len]``: the flat pool row of every key position (padding reads block 0)."""
-        return self._derive(("read", block_size), lambda: self._key_index(block_size))
-
-    def _derive(self, key, build) -> torch.Tensor:
-        if key not in self._derived:
-            self._derived[key] = build()
-        return self._derived[key]
+        index = self._derived.get(("read", block_size))
+        if index is None:
+            index = self._derived[("read", block_size)] = self._key_index(block_size)
+        return index
 
     def _slot_mapping(self, block_size: int) -> torch.Tensor:
         pos = self.token_positions.clamp(min=0)

@@ -18,11 +18,12 @@ the token budget); before the step's plan is built the engine runs up to
 
 each guided request drafts through a cursor (:mod:`tpguide.guided.draft_cursor`)
 that rolls its matcher back at the end of the loop, the discipline of every
-drafter; :func:`draft_with_head` returns the drafts and the
-driver puts them in its step's records.  It imports nothing of the driver
-side or the ranks: the DRAFT message goes out through the ``send`` it is
-given.  The verification step is the one of ``ngram``
-(:mod:`tpguide.speculative.verify`).
+drafter.  :class:`HeadDrafting` is the driver's side of the loop: the engine
+asks it for each iteration's plan, broadcasts it, runs the iteration on its
+own rank (:meth:`StepRunner.draft`) and hands the drafted ids back, so the
+loop reads straight down from ``Engine.step`` (docs/architecture.md §1) and
+this module imports nothing of the driver side or the ranks.  The
+verification step is the one of ``ngram`` (:mod:`tpguide.speculative.verify`).
 
 Drafts are greedy (deterministic), so the acceptance rule keeps speculative
 output equal to non-speculative output for greedy and seeded sampling alike.
@@ -32,13 +33,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
-from tpguide.dist import TPGroup
-from tpguide.speculative.draft_head import DraftHead
-from tpguide.speculative.draft_iteration import DraftPlan, run_draft_iteration
+from tpguide.speculative.draft_iteration import DraftPlan
 
 
 @dataclass(frozen=True)
@@ -69,12 +68,36 @@ class DraftRequest:
     block_table: List[int] = ()
 
 
-def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, requests: Sequence[DraftRequest],
-                    send: Callable[[DraftPlan], None]) -> List[List[int]]:
-    """The drafts of ``requests`` (driver; collective: ``send`` broadcasts each DRAFT plan to the ranks).
+@dataclass(frozen=True)
+class DraftStep:
+    """One iteration of the drafting loop: the DRAFT plan for every rank, and the driver's full rows.
 
-    Returns one list per request, at most ``max_drafts`` long; every matcher
-    is back in the state it had before (after the golden token).
+    Attributes
+    ----------
+    plan : DraftPlan
+        What every rank runs (:func:`~tpguide.speculative.draft_iteration.run_draft_iteration`).
+    token_bitmask : torch.Tensor or None
+        int32 ``[R, bitmask_size]``, the FULL rows of the guided requests
+        (driver only; None when none of them is guided).
+    """
+
+    plan: DraftPlan
+    token_bitmask: Optional[torch.Tensor]
+
+
+class HeadDrafting:
+    """The driver's side of the drafting loop over ``requests`` (a context manager).
+
+    The engine runs the loop (docs/architecture.md §1)::
+
+        with HeadDrafting(guided, stop_token_ids, requests) as loop:
+            while (step := loop.next_step()) is not None:
+                <broadcast a DRAFT message of step.plan>
+                loop.record(<run_draft_iteration(head, step.plan, group, step.token_bitmask)>)
+        loop.drafts   # one list per request, at most max_drafts long
+
+    On leaving the ``with``, every matcher is back in the state it had
+    before (after the golden token).
 
     Parameters
     ----------
@@ -82,39 +105,59 @@ def draft_with_head(guided, stop_token_ids, head: DraftHead, group: TPGroup, req
         The driver's matchers (None: no guided request yet, so none of ``requests`` is guided).
     stop_token_ids : set of int
         A drafted stop token ends that request's drafting.
+    requests : sequence of DraftRequest
 
     Raises
     ------
     ValueError
         A matcher cannot roll its drafts back (an engine bug; the step fails).
     """
-    drafts: List[List[int]] = [[] for _ in requests]
-    active = list(range(len(requests)))
-    with contextlib.ExitStack() as rollbacks:  # every cursor rolls its matcher back at the end (guided/decoder.py)
-        cursors = {r.slot: rollbacks.enter_context(guided.drafting(r.slot)) for r in requests if r.guided}
-        while active:
-            slots = [requests[i].slot if requests[i].guided else None for i in active]
-            token_bitmask = token_mask = None
-            if any(slot is not None for slot in slots):
-                token_bitmask, token_mask = guided.fill_draft_bitmask(slots)
-                token_mask = token_mask.clone()
-            plan = DraftPlan(
-                input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in active],
-                                       dtype=torch.int64),
-                block_tables=[list(requests[i].block_table) for i in active],
-                context_lens=[requests[i].position + len(drafts[i]) for i in active],
-                token_mask=token_mask,
-            )
-            send(plan)
-            tokens = run_draft_iteration(head, plan, group, token_bitmask).tolist()
-            still: List[int] = []
-            for i, slot, token in zip(active, slots, tokens):
-                if token < 0 or (slot is not None and not cursors[slot].accept(token)):
-                    continue
-                drafts[i].append(token)
-                if (token in stop_token_ids or (slot is not None and cursors[slot].matcher.is_terminated())
-                        or len(drafts[i]) == requests[i].max_drafts):
-                    continue
-                still.append(i)
-            active = still
-    return drafts
+
+    def __init__(self, guided, stop_token_ids, requests: Sequence[DraftRequest]) -> None:
+        self.guided, self.stop_token_ids, self.requests = guided, stop_token_ids, list(requests)
+        self.drafts: List[List[int]] = [[] for _ in self.requests]
+        self._active = list(range(len(self.requests)))
+        self._slots: List[Optional[int]] = []
+        self._rollbacks = contextlib.ExitStack()
+        self._cursors = {}
+
+    def __enter__(self) -> "HeadDrafting":
+        # every cursor rolls its matcher back at the end (guided/decoder.py)
+        self._cursors = {r.slot: self._rollbacks.enter_context(self.guided.drafting(r.slot))
+                         for r in self.requests if r.guided}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._rollbacks.close()
+
+    def next_step(self) -> Optional[DraftStep]:
+        """The next iteration over the requests still drafting; None when none is."""
+        if not self._active:
+            return None
+        requests, drafts = self.requests, self.drafts
+        self._slots = [requests[i].slot if requests[i].guided else None for i in self._active]
+        token_bitmask = token_mask = None
+        if any(slot is not None for slot in self._slots):
+            token_bitmask, token_mask = self.guided.fill_draft_bitmask(self._slots)
+            token_mask = token_mask.clone()
+        plan = DraftPlan(
+            input_ids=torch.tensor([(drafts[i] or [requests[i].last_token])[-1] for i in self._active],
+                                   dtype=torch.int64),
+            block_tables=[list(requests[i].block_table) for i in self._active],
+            context_lens=[requests[i].position + len(drafts[i]) for i in self._active],
+            token_mask=token_mask,
+        )
+        return DraftStep(plan, token_bitmask)
+
+    def record(self, tokens: Sequence[int]) -> None:
+        """The target ids the last :meth:`next_step` drafted, one per request still drafting (``-1``: none)."""
+        still: List[int] = []
+        for i, slot, token in zip(self._active, self._slots, tokens):
+            if token < 0 or (slot is not None and not self._cursors[slot].accept(token)):
+                continue
+            self.drafts[i].append(token)
+            if (token in self.stop_token_ids or (slot is not None and self._cursors[slot].matcher.is_terminated())
+                    or len(self.drafts[i]) == self.requests[i].max_drafts):
+                continue
+            still.append(i)
+        self._active = still

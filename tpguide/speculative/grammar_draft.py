@@ -187,8 +187,9 @@ class GrammarDrafter:
         slot : int
         k : int
             Most drafts (``>= 0``).
-        req : Request, optional
-            The request in ``slot`` (its guide and output tokens): with it a
+        req : DraftInput, optional
+            The request in ``slot`` (its ``structured_output`` and
+            ``output_token_ids``; :class:`~tpguide.speculative.verify.DraftInput`): with it a
             JSON guide's layouts are drafted (module docstring), their
             matchers kept in the slot's record; without it only forced text.
 

@@ -40,7 +40,7 @@ step's token budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Any, List, Sequence
 
 from tpguide.speculative.ngram import NgramProposer
 
@@ -49,6 +49,32 @@ SPECULATIVE_METHODS = ("grammar", "ngram", "draft-head")
 
 #: A reserved draft position until the ``draft-head`` drafting loop fills it.
 DRAFT_PENDING = -1
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One decoding request as the drafters see it: plain values the driver reads off its request.
+
+    Attributes
+    ----------
+    slot : int
+        Its request slot (the grammar record's key).
+    prompt_token_ids, output_token_ids : sequence of int
+        Its tokens so far (the n-gram history; the grammar layouts follow the output).
+    max_tokens : int
+        Its output limit.
+    has_penalties : bool
+        Penalties or ``logit_bias`` set: no grammar drafts.
+    structured_output : StructuredOutputsParams or None
+        Its guide (the grammar drafter's JSON layouts).
+    """
+
+    slot: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    max_tokens: int
+    has_penalties: bool = False
+    structured_output: Any = None
 
 
 @dataclass
@@ -170,18 +196,23 @@ class Speculator:
         self.grammar_drafter = grammar_drafter
         self.stats = SpecStats()
 
-    def max_num_drafts(self, req, budget: int) -> int:
-        """Drafts ``req`` may carry this step with ``budget`` tokens left (golden included)."""
-        left = req.sampling_params.max_tokens - len(req.output_token_ids)
-        return max(0, min(self.num_speculative_tokens, budget - 1, left - 1,
-                          self.max_model_len - req.num_tokens))
+    def max_num_drafts(self, seq: "DraftInput", budget: int) -> int:
+        """Drafts ``seq`` may carry this step with ``budget`` tokens left (golden included)."""
+        left = seq.max_tokens - len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        return max(0, min(self.num_speculative_tokens, budget - 1, left - 1, self.max_model_len - num_tokens))
 
-    def propose(self, req, budget: int, guided=None) -> List[int]:
-        """Drafts for ``req``'s next decode step (the scheduler's hook); placeholders for ``draft-head``.
+    def propose(self, seq: "DraftInput", budget: int, guided=None) -> List[int]:
+        """Drafts for ``seq``'s next decode step; placeholders for ``draft-head``.
+
+        The drafting phase of the step (docs/architecture.md §1) calls it for
+        every decoding request before the scheduler runs; the scheduler keeps
+        the prefix its token budget allows.  Each drafter's drafts with a
+        smaller budget are a prefix of those with a larger one.
 
         Parameters
         ----------
-        req : Request
+        seq : DraftInput
             A running request past its prompt.
         budget : int
             Tokens left in the step, its golden token included.
@@ -196,14 +227,14 @@ class Speculator:
         list of int
             At most :meth:`max_num_drafts` tokens, or as many :data:`DRAFT_PENDING`.
         """
-        k = self.max_num_drafts(req, budget)
-        record = guided.record(req.slot) if guided is not None and req.slot is not None else None
+        k = self.max_num_drafts(seq, budget)
+        record = guided.record(seq.slot) if guided is not None else None
         if record is not None:
             record.forced = False
         if not k:
             return []
-        if self.grammar_drafter is not None and record is not None and not req.sampling_params.has_penalties:
-            drafts = self.grammar_drafter.propose(guided, req.slot, k, req)
+        if self.grammar_drafter is not None and record is not None and not seq.has_penalties:
+            drafts = self.grammar_drafter.propose(guided, seq.slot, k, seq)
             if drafts:
                 record.forced = True
                 return drafts
@@ -211,8 +242,8 @@ class Speculator:
             return [DRAFT_PENDING] * k
         if self.proposer is None:
             return []
-        drafts = self.proposer.propose(req.all_token_ids, k)[:k]
-        return guided.accepted_prefix(req.slot, drafts) if record is not None else drafts
+        drafts = self.proposer.propose(list(seq.prompt_token_ids) + list(seq.output_token_ids), k)[:k]
+        return guided.accepted_prefix(seq.slot, drafts) if record is not None else drafts
 
     def verify(self, drafts: List[int], token_ids: List[int], first_row: int,
                forced: bool = False) -> "Verification":

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -143,10 +143,20 @@ class Message:
         return cls(MessageKind.ABORT, error=f"{type(exc).__name__}: {exc}")
 
 
-#: On the driver: returns ``(token_mask int32 [R], word slices)`` once the rows are filled; slice
-#: ``r`` is int32 ``[R, bitmask_size // tp_size]`` for rank ``r``; a row whose fill failed has
-#: ``token_mask`` 0 (the driver discards its sample).
-BitmaskSource = Callable[[], Tuple[torch.Tensor, Sequence[torch.Tensor]]]
+class BitmaskSlices(NamedTuple):
+    """The driver's filled bitmask rows of one step, cut for the scatter (docs/architecture.md §2).
+
+    Attributes
+    ----------
+    token_mask : torch.Tensor
+        int32 ``[R]``: 0 leaves a row's logits untouched (an unguided row, or
+        one whose fill failed: the driver discards its sample).
+    word_slices : sequence of torch.Tensor
+        Slice ``r`` is int32 ``[R, bitmask_size // tp_size]``, the words of rank ``r``.
+    """
+
+    token_mask: torch.Tensor
+    word_slices: Sequence[torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
 """Every rank's step execution: a plan in, a result value out (docs/architecture.md §1).
 
-**The step.**  :meth:`StepRunner.execute` runs one :class:`StepPlan`::
+**The step**, in two phases (as vLLM's ``execute_model`` / ``sample_tokens``)::
 
-    forward on this rank's weight shard       -> hidden [T, H] (replicated)
-    prompt rows -> LM-head shard -> prompt logprobs       (if the plan asks)
-    rows selected_token_indices -> LM-head shard          -> logits [R, V_pad / T] fp32
-    guided: broadcast token_mask, scatter word slices, apply own slice in place
-    vocab-parallel sampling (all-gather of (value, token id) candidates)
-    -> StepResult, identical on every rank
+    StepRunner.execute_model(plan) -> ForwardOutput
+        forward on this rank's weight shard               -> hidden [T, H] (replicated)
+        prompt rows -> LM-head shard -> prompt logprobs    (if the plan asks)
+        rows selected_token_indices -> LM-head shard       -> logits [R, V_pad / T] fp32
+    StepRunner.sample_tokens(plan, forward, bitmask) -> StepResult, identical on every rank
+        guided: broadcast token_mask, scatter word slices, apply own slice in place
+        vocab-parallel sampling (all-gather of (value, token id) candidates)
 
-It reads and writes no driver state: the driver's only input is the bitmask
-callable it passes in (the rows it filled while the forward ran).  Non-driver
-ranks run :meth:`StepRunner.follow_driver`, acting on each message of the
-plan channel until STOP.
+It reads and writes no driver state: the driver's only input is the
+:class:`~tpguide.worker.protocol.BitmaskSlices` value it hands to
+:meth:`StepRunner.sample_tokens` (the rows it filled while the forward ran).
+Non-driver ranks run :meth:`StepRunner.follow_driver`, acting on each
+message of the plan channel until STOP; a STEP message is
+:meth:`StepRunner.execute`, the two phases back to back with no bitmask of
+their own, so they make the same collectives in the same order as the driver.
 
 The plan, result and message types are :mod:`tpguide.worker.protocol`; the
 sampler over the group is :mod:`tpguide.worker.group_sampling`.
@@ -28,6 +32,7 @@ On CPU the step runs as it always did.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -38,12 +43,33 @@ from tpguide.kernels import apply_token_bitmask_inplace
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.penalties import apply_penalties_inplace
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
+from tpguide.sampling.sampler import SamplingMetadata
 from tpguide.worker.cuda_graphs import CudaGraphs, PaddedEager, graph_buckets, graphs_supported
 from tpguide.worker.group_sampling import compute_prompt_logprobs, sample
-from tpguide.worker.protocol import BitmaskSource, DriverAborted, Message, MessageKind, StepPlan, StepResult
+from tpguide.worker.protocol import BitmaskSlices, DriverAborted, Message, MessageKind, StepPlan, StepResult
 from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity
 
-__all__ = ["StepRunner", "DriverAborted", "read_to_host"]
+__all__ = ["ForwardOutput", "StepRunner", "DriverAborted", "read_to_host"]
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What :meth:`StepRunner.execute_model` hands to :meth:`StepRunner.sample_tokens` (this rank's device).
+
+    Attributes
+    ----------
+    logits : torch.Tensor
+        fp32 ``[R, V_pad / tp_size]``: this rank's logits shard of the sample
+        rows, penalties applied, the bitmask not yet.
+    sampling : SamplingMetadata
+        The plan's, on this rank's device (the staged views on the persistent-buffer path).
+    prompt : PromptLogprobs or None
+        The rows of ``plan.selected_prompt_indices``, on the host.
+    """
+
+    logits: torch.Tensor
+    sampling: SamplingMetadata
+    prompt: Optional[PromptLogprobs]
 
 
 #: Prompt rows per LM-head call: bounds the ``[rows, V_local]`` fp32/fp64 temporaries.
@@ -93,23 +119,33 @@ class StepRunner:
             if supported:
                 self.graphs = CudaGraphs(self.model, self.buffers, graph_buckets(capacity.max_tokens))
 
-    def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSource] = None) -> StepResult:
-        """Run one step on this rank (a collective: every rank calls it with the same plan).
+    def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSlices] = None) -> StepResult:
+        """One whole step on this rank: :meth:`execute_model`, then :meth:`sample_tokens` (a collective).
+
+        The non-driver ranks' step (:meth:`follow_driver`); the driver's engine
+        calls the two phases itself, its bitmask fill between them.
+        """
+        return self.sample_tokens(plan, self.execute_model(plan), bitmask)
+
+    def execute_model(self, plan: StepPlan) -> ForwardOutput:
+        """The step's forward on this rank: logits of the sample rows, prompt logprobs (a collective).
+
+        Every rank calls it with the same plan; :meth:`sample_tokens` follows.
 
         Parameters
         ----------
         plan : StepPlan
-        bitmask : callable, optional
-            Driver only, for a guided plan: see :data:`BitmaskSource`.
 
         Returns
         -------
-        StepResult
+        ForwardOutput
+            The sample rows' logits shard (penalties applied, no bitmask yet),
+            the sampling metadata on this rank's device, the prompt logprobs.
         """
         if self.on_step is not None:
             self.on_step()
         if self.static_inputs:
-            return self._execute_static(plan, bitmask)
+            return self._execute_model_static(plan)
         dev = self.group.device
         meta = AttentionMetadata.from_block_tables(plan.block_tables, plan.query_lens, plan.context_lens, device=dev,
                                                    block_size=self.model.kv_block_size)
@@ -121,13 +157,10 @@ class StepRunner:
         logits = self.model.compute_logits(hidden[rows])  # [R, V_pad / tp] fp32
         if plan.sampling.penalties is not None:  # each rank its own shard: exact at every tp size
             apply_penalties_inplace(logits, plan.sampling.penalties.to(dev), self.shard.vocab_start_index)
-        if plan.guided:
-            self._apply_bitmask(logits, bitmask)
-        out = sample(logits, plan.sampling.to(dev), self.shard, self.group)
-        return self._result(out, logits, prompt)
+        return ForwardOutput(logits, plan.sampling.to(dev), prompt)
 
-    def _execute_static(self, plan: StepPlan, bitmask: Optional[BitmaskSource]) -> StepResult:
-        """:meth:`execute` over the persistent buffers: no host sync before the sampled ids are read (docs/gpu.md).
+    def _execute_model_static(self, plan: StepPlan) -> ForwardOutput:
+        """:meth:`execute_model` over the persistent buffers: no host sync before the sampled ids are read (docs/gpu.md).
 
         A step that fits a bucket (and asks no prompt logprobs) replays that
         bucket's CUDA graph; any other runs the same forward eagerly, unpadded.
@@ -150,10 +183,42 @@ class StepRunner:
         if plan.sampling.penalties is not None:  # sparse entries, copied non-blocking (sampling/penalties.py)
             apply_penalties_inplace(logits, plan.sampling.penalties.to(self.group.device),
                                     self.shard.vocab_start_index)
-        if plan.guided:
-            self._apply_bitmask_static(logits, bitmask)
-        out = sample(logits, inputs.sampling, self.shard, self.group)
-        return self._result(out, logits, prompt)
+        return ForwardOutput(logits, inputs.sampling, prompt)
+
+    def sample_tokens(self, plan: StepPlan, forward: ForwardOutput,
+                      bitmask: Optional[BitmaskSlices] = None) -> StepResult:
+        """The step's sampling on this rank, after :meth:`execute_model` (a collective).
+
+        For a guided plan the driver's ``token_mask`` is broadcast and its word
+        slices scattered, and each rank applies its own slice to ``forward.logits``
+        in place; then vocab-parallel sampling (as vLLM's ``sample_tokens``).
+
+        Parameters
+        ----------
+        plan : StepPlan
+        forward : ForwardOutput
+            This rank's :meth:`execute_model` of ``plan``.
+        bitmask : BitmaskSlices, optional
+            Driver only, for a guided plan: the filled rows (the other ranks pass None).
+
+        Returns
+        -------
+        StepResult
+            Identical on every rank.
+
+        Raises
+        ------
+        ValueError
+            A guided plan on the driver without ``bitmask``.
+        """
+        if plan.guided and self.group.is_driver and bitmask is None:
+            raise ValueError("a guided step needs the driver's bitmask slices, got None")
+        if plan.guided and self.static_inputs:
+            self._apply_bitmask_static(forward.logits, bitmask)
+        elif plan.guided:
+            self._apply_bitmask(forward.logits, bitmask)
+        out = sample(forward.logits, forward.sampling, self.shard, self.group)
+        return self._result(out, forward.logits, forward.prompt)
 
     def _fit(self, plan: StepPlan) -> None:
         """Grow the buffers (dropping the graphs) when ``plan`` is larger than they are."""
@@ -177,13 +242,13 @@ class StepRunner:
         return StepResult(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprob_ids=top_ids,
                           top_logprobs=top_logprobs, bad_rows=bad, bad_row_notes=notes, prompt_logprobs=prompt)
 
-    def _apply_bitmask_static(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
+    def _apply_bitmask_static(self, logits: torch.Tensor, bitmask: Optional[BitmaskSlices]) -> None:
         """:meth:`_apply_bitmask` through the persistent bitmask buffers (one non-blocking copy on the driver)."""
         num_rows = logits.shape[0]
         buffers, group = self.bitmask_buffers, self.group
         slices = None
         if group.is_driver:
-            token_mask, slices = buffers.send(*bitmask())
+            token_mask, slices = buffers.send(*bitmask)
             local = slices[0]
         else:
             token_mask, local = buffers.receive_views(num_rows)
@@ -194,7 +259,7 @@ class StepRunner:
         apply_token_bitmask_inplace(logits, local, token_mask=token_mask,
                                     vocab_start_index=self.shard.vocab_start_index)
 
-    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSource]) -> None:
+    def _apply_bitmask(self, logits: torch.Tensor, bitmask: Optional[BitmaskSlices]) -> None:
         """Receive this rank's token_mask and word slice, apply it to ``logits`` in place."""
         num_rows = logits.shape[0]
         dev = self.group.device
@@ -202,7 +267,7 @@ class StepRunner:
         token_mask = torch.zeros(num_rows, dtype=torch.int32)
         slices = None
         if self.group.is_driver:
-            token_mask, slices = bitmask()
+            token_mask, slices = bitmask
         token_mask = C.broadcast_tensor(token_mask.to(dev), self.group)
         local = torch.empty((num_rows, words), dtype=torch.int32, device=dev)
         C.scatter_tensor(local, None if slices is None else [s.to(dev) for s in slices], self.group)
