@@ -20,7 +20,7 @@ started with the engine, does intake, not step work, and is not traced).  Counte
 * the calls through a callable handed in: the callee is a lambda or a nested
   function called from outside the function that made it, or it is called
   through a parameter or a ``self`` attribute of another name
-  (``self._propose(...)`` running ``Driver._propose_drafts``).  Dunder
+  (``self._hook(...)`` running a method of another name).  Dunder
   methods are never counted.
 
     python launch/step_map.py [--model DIR] [--warmup N] [--json]
