@@ -1,6 +1,7 @@
 """Grammar drafts in one process: forced strings of both backends, the drafter, the speculator's composition, flags."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -149,6 +150,23 @@ def test_ngram_drafts_of_a_guided_request_stop_where_the_grammar_rejects(tokeniz
     spec.proposer = FixedNgram(drafts)
     assert spec.propose(_request(0), 8, decoder) == drafts[:2]  # "}" before the required "age": rejected
     assert spec.propose(_request(0, structured=False), 8) == spec.proposer.drafts[:4]  # unguided: untouched
+
+
+@pytest.mark.parametrize("method", ["grammar", "ngram"])
+def test_drafts_of_a_smaller_budget_are_a_prefix(method, tokenizer, drafter):
+    """The drafting phase proposes with the whole budget and the scheduler cuts (docs/architecture.md §1):
+    that equals a proposal with the smaller budget only because of this prefix property."""
+    decoder = _decoder("xgrammar", 0, {"regex": "the quick brown fox jumps over the lazy dog"}, tokenizer, "the")
+    spec = Speculator(method, 8, 128, grammar_drafter=drafter)
+    seq = _request(0)
+    seq = dataclasses.replace(seq, output_token_ids=encode(tokenizer, "the quick the quick the"))
+    full = spec.propose(seq, 9, decoder)
+    assert len(full) >= 6  # forced text all the way (its last token dropped where a longer one extends it)
+    for budget in range(1, 9):
+        assert spec.propose(seq, budget, decoder) == full[:budget - 1], budget
+    free = spec.propose(dataclasses.replace(seq, structured_output=None), 9)  # unguided: n-gram or nothing
+    for budget in range(1, 9):
+        assert spec.propose(dataclasses.replace(seq, structured_output=None), budget) == free[:budget - 1]
 
 
 def _args(*argv):
