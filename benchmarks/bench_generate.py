@@ -99,8 +99,10 @@ def run_tpguide(engine, dicts: List[dict], default_max_tokens: int = 32):
 class GuidanceTimer:
     """Wall seconds spent in tpguide's guidance code during one run (wraps the methods while active).
 
-    ``critical``: on the step's critical path (finishing and scattering the
-    bitmask + applying the slice, advancing matchers by sampled tokens);
+    ``critical``: on the step's critical path (scattering the bitmask and
+    applying the slice, advancing matchers by sampled tokens; since the
+    runner's two phases, the wait in ``Engine.step`` for a fill that outlasts
+    the forward is not counted);
     ``overlapped``: filling the bitmask rows, which runs in a thread during
     the forward.  Robust against the machine's noise, unlike a difference of
     two wall times.
