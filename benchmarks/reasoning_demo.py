@@ -30,7 +30,7 @@ from pathlib import Path
 import jsonschema
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.tiny_reasoning import write_tiny_reasoning_model
 

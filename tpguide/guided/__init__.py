@@ -18,7 +18,7 @@ from tpguide.guided.bitmask import (
     unpack_bitmask,
 )
 from tpguide.guided.decoder import GuidedDecoder
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, collect_stop_token_ids
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsParams
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "GuidedDecoder",
     "StructuredOutputsParams",
     "allocate_token_bitmask",
-    "collect_stop_token_ids",
     "find_dead_end_rows",
     "make_backend",
     "split_bitmask",
