@@ -69,7 +69,7 @@ def run(model_dir, lines, method):
     start = time.perf_counter()
     outputs = [o.to_json() for o in engine.generate(reqs)]
     seconds = time.perf_counter() - start
-    stats = engine.driver.spec.stats if engine.driver.spec is not None else None
+    stats = engine.speculation_stats()
     engine.shutdown()
     return outputs, seconds, stats
 

@@ -163,6 +163,17 @@ class Engine:
         """Block until every added guided request is admitted or refused (driver; the compile thread's work)."""
         self._require_driver().wait_for_admissions()
 
+    @property
+    def num_steps(self) -> int:
+        """Engine steps run so far (driver; idle steps without a collective are not counted)."""
+        return self._require_driver().num_steps
+
+    def reset_speculation_stats(self) -> None:
+        """Start the speculative-decoding counters from zero (driver; e.g. to count one benchmark run)."""
+        spec = self._require_driver().spec
+        if spec is not None:
+            spec.stats = type(spec.stats)()
+
     def speculation_stats(self):
         """Draft and acceptance counters (driver; :class:`~tpguide.speculative.verify.SpecStats`), or None
         without speculative decoding."""
