@@ -49,6 +49,7 @@ from tpguide.engine.config import EngineConfig, step_capacity
 from tpguide.engine.driver import Driver
 from tpguide.engine.kv_pool_size import kv_pool_num_blocks, report_kv_pool
 from tpguide.engine.request import Request, RequestOutput
+from tpguide.guided.schema_check import import_jsonschema
 from tpguide.worker.protocol import Message, StepResult
 from tpguide.worker.runner import StepRunner
 
@@ -71,6 +72,12 @@ def _one_openmp_thread() -> None:
     omp_set_num_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
     if omp_set_num_threads is not None:  # libgomp / libomp loaded with torch
         omp_set_num_threads(1)
+
+
+def _prepare_guided(driver: Driver) -> None:
+    """Start-up work of the guided path, off the first request: the backend's tables and the schema validator."""
+    driver.guided_decoder()
+    import_jsonschema()
 
 
 class Engine:
@@ -116,7 +123,7 @@ class Engine:
             # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
             # second) are built now, beside the KV pool's allocation, not in the first guided request
             grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
-            building = grammar_tables.submit(self.driver.guided_decoder)
+            building = grammar_tables.submit(_prepare_guided, self.driver)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
