@@ -48,23 +48,20 @@ from tpguide.dist import TPGroup
 from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.dtype import resolve_dtype
-from tpguide.speculative.verify import SpecStats
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "jsonschemabench_requests.jsonl"
 
 
 def run(engine, dicts: list) -> dict:
     """One ``Engine.generate`` of ``dicts``: token ids, wall s, engine steps, speculative counts, errors."""
-    spec = engine.driver.spec
-    if spec is not None:
-        spec.stats = SpecStats()  # this run only
-    steps = engine.driver.num_steps
+    engine.reset_speculation_stats()  # this run only
+    steps = engine.num_steps
     requests = parse_request_lines([json.dumps(r) for r in dicts], 32)
     start = time.perf_counter()
     outputs = engine.generate(requests)
     wall = time.perf_counter() - start
-    return {"tokens": [o.token_ids for o in outputs], "wall": wall, "steps": engine.driver.num_steps - steps,
-            "stats": spec.stats if spec is not None else None,
+    return {"tokens": [o.token_ids for o in outputs], "wall": wall, "steps": engine.num_steps - steps,
+            "stats": engine.speculation_stats(),
             "errors": [o.error for o in outputs if o.finish_reason == "error"]}
 
 

@@ -89,9 +89,10 @@ def admission_only(requests: list, backends: list) -> int:
     from transformers import AutoTokenizer
 
     from tpguide.engine.request_io import request_from_dict
-    from tpguide.guided import collect_stop_token_ids, make_backend
+    from tpguide.guided import make_backend
     from tpguide.guided.admission import admit
     from tpguide.model.default_model import default_model_dir
+    from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

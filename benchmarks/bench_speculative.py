@@ -30,9 +30,9 @@ from tpguide.engine.demo_requests import DEMO_REQUESTS
 
 def run_once(engine, max_tokens: int):
     """(token ids per request, wall seconds, engine steps) of one demo run."""
-    before = engine.driver.num_steps
+    before = engine.num_steps
     tokens, wall = run_tpguide(engine, DEMO_REQUESTS, max_tokens)
-    return tokens, wall, engine.driver.num_steps - before
+    return tokens, wall, engine.num_steps - before
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,12 +64,10 @@ def main(argv=None) -> int:
     best = {name: (None, float("inf"), 0, None) for name in engines}
     for _ in range(max(1, args.repeats)):
         for name, engine in engines.items():
-            spec = engine.driver.spec
-            if spec is not None:
-                spec.stats = type(spec.stats)()  # count this run only
+            engine.reset_speculation_stats()  # count this run only
             tokens, wall, steps = run_once(engine, args.max_tokens)
             if wall < best[name][1]:
-                best[name] = (tokens, wall, steps, spec.stats if spec else None)
+                best[name] = (tokens, wall, steps, engine.speculation_stats())
     plain_tokens, plain_wall = best["plain"][0], best["plain"][1]
     total = sum(map(len, plain_tokens))
     layers = engines["draft-head"].draft_head.num_layers

@@ -74,8 +74,9 @@ def admitted_json_lines(path: Path, model_dir: str) -> List[dict]:
     from transformers import AutoTokenizer
 
     from tpguide.engine.request_io import request_from_dict
-    from tpguide.guided import collect_stop_token_ids, make_backend
+    from tpguide.guided import make_backend
     from tpguide.guided.admission import admit
+    from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     backend = make_backend("auto", tokenizer, -(-len(tokenizer) // 64) * 64, collect_stop_token_ids(tokenizer, model_dir))

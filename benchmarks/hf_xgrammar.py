@@ -20,8 +20,8 @@ class HFRunner:
         import xgrammar as xgr
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tpguide.guided import collect_stop_token_ids
         from tpguide.guided.xgrammar_backend import make_tokenizer_info
+        from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")

@@ -202,7 +202,7 @@ def run_rows(engine, args, rows: int, last: bool, on_cuda: bool) -> Dict[str, ob
     requests = parse_request_lines(request_lines(args.requests, rows, args.max_tokens), args.max_tokens)
     for r in requests:
         engine.add_request(r)
-    engine.driver.wait_for_admissions()
+    engine.wait_for_admissions()
     for _ in range(args.warmup_steps):
         engine.step()
     figures, table = profile_steps(engine, args.profile_steps, on_cuda)

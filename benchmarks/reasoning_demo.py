@@ -30,7 +30,7 @@ from pathlib import Path
 import jsonschema
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.tiny_reasoning import write_tiny_reasoning_model
 
@@ -69,7 +69,7 @@ def run(model_dir, lines, method):
     start = time.perf_counter()
     outputs = [o.to_json() for o in engine.generate(reqs)]
     seconds = time.perf_counter() - start
-    stats = engine.driver.spec.stats if engine.driver.spec is not None else None
+    stats = engine.speculation_stats()
     engine.shutdown()
     return outputs, seconds, stats
 

@@ -81,7 +81,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def stop_ids(tokenizer):
-    from tpguide.guided import collect_stop_token_ids
+    from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
     return collect_stop_token_ids(tokenizer)
 

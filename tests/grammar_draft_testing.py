@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tpguide.dist import group as C
-from tpguide.engine.engine import build_engine
+from tpguide.engine import build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.serving.protocol import parse_request
 

@@ -76,7 +76,8 @@ def load_test_tokenizer() -> Any:
 @functools.lru_cache(maxsize=4)
 def load_test_backend(name: str, padded_vocab_size: int) -> Any:
     """``make_backend(name, ...)`` for :func:`load_test_tokenizer` and its stop ids, once per process."""
-    from tpguide.guided import collect_stop_token_ids, make_backend
+    from tpguide.guided import make_backend
+    from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
     tokenizer = load_test_tokenizer()
     return make_backend(name, tokenizer, padded_vocab_size, collect_stop_token_ids(tokenizer))

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from tpguide.engine.engine import EngineConfig
+from tpguide.engine import EngineConfig
 from tpguide.engine.request_io import parse_request_lines
 
 CACHING_OFF = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1536, dtype=torch.bfloat16,

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.model.loader import load_model
 from tpguide.speculative import draft_lens
 from tpguide.speculative.draft_head import build_draft_head

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group
+from tpguide.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.xgrammar_backend import XGrammarMatcher

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines, request_from_dict
 
 

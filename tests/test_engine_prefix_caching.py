@@ -20,8 +20,8 @@ import pytest
 from prefix_caching_testing import CACHING_OFF, CACHING_ON, chat_turns, outputs_key, run, with_sampled_copies
 
 from tpguide.dist import TPGroup
+from tpguide.engine import build_engine
 from tpguide.engine.demo_requests import DEMO_REQUESTS
-from tpguide.engine.engine import build_engine
 
 #: the shared bench data next to the checkout (``TPGUIDE_VLLM_FIXTURES`` overrides, e.g. from a git worktree)
 FIXTURES = Path(os.environ.get("TPGUIDE_VLLM_FIXTURES",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 LONG = ("The quick brown fox jumps over the lazy dog, and then it runs across the wide green field "
         "toward the old river bank where the children play every summer.")

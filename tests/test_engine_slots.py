@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group
+from tpguide.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import parse_request_lines
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},

@@ -19,7 +19,7 @@ import pytest
 from grammar_draft_testing import key, run
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig
+from tpguide.engine import EngineConfig
 from tpguide.model.dtype import resolve_dtype
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data"

@@ -14,8 +14,8 @@ import pytest
 from grammar_draft_testing import key, run, tool_call_lines
 
 from tpguide.dist import TPGroup
+from tpguide.engine import EngineConfig
 from tpguide.engine.demo_requests import DEMO_REQUESTS
-from tpguide.engine.engine import EngineConfig
 from tpguide.model.dtype import resolve_dtype
 
 pytestmark = pytest.mark.slow
@@ -40,12 +40,12 @@ def test_json_layouts_save_passes_and_change_no_token(default_model_path, monkey
 
     ``LAYOUT_COMPILE_BUDGET = 0``: no guide is quick enough for layouts, so only forced text is drafted.
     """
-    import tpguide.engine.driver as driver
+    import tpguide.engine.intake as intake
 
     demo = next(r for r in DEMO_REQUESTS if r["id"] == "json-schema")
     lines = [{**demo, "id": f"j{i}", "max_tokens": 48, "logprobs": 1} for i in range(2)]
     with_layouts, stats = run(TPGroup(), default_model_path, lines, EngineConfig(**BASE))
-    monkeypatch.setattr(driver, "LAYOUT_COMPILE_BUDGET", 0.0)
+    monkeypatch.setattr(intake, "LAYOUT_COMPILE_BUDGET", 0.0)
     forced_only, forced_stats = run(TPGroup(), default_model_path, lines, EngineConfig(**BASE))
     assert key(with_layouts) == key(forced_only)
     assert with_layouts[0]["text"].startswith("{\n  "), with_layouts[0]["text"]

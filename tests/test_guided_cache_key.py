@@ -20,7 +20,7 @@ from guided_testing import load_test_backend
 from server_process import ServerProcess
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.guided.params import MAX_BOUNDED_WHITESPACE, StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "llguidance")

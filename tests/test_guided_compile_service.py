@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group
+from tpguide.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import request_from_dict
 from tpguide.guided.compile_service import CompileService, GrammarCompileTimeout
 

@@ -13,7 +13,7 @@ mask is empty:
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.guided.enforcement import ENFORCED, MEASURED, NOT_ENFORCED
 from tpguide.guided.keyword_cases import KEYWORD_CASES
 from tpguide.guided.schema_check import validator_for_schema

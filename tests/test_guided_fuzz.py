@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.guided.keyword_cases import KEYWORD_CASES
 

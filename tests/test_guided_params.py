@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from tpguide.guided import collect_stop_token_ids, make_backend
+from tpguide.guided import make_backend
 from tpguide.guided.params import JSON_OBJECT_SCHEMA, StructuredOutputsParams
+from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 

@@ -6,12 +6,12 @@ import pytest
 from guided_testing import metaspace_tokenizer, write_id_gap_tokenizer
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.guided import make_backend
 from tpguide.guided.bitmask import allocate_token_bitmask, unpack_bitmask
 from tpguide.guided.enforcement import matcher_accepts_text
-from tpguide.guided.matcher import producible_vocab_size
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.model.tokenizer_facts import producible_vocab_size
 
 METASPACE = "\u2581"
 

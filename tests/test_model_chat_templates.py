@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.engine.request_io import parse_request
 
 QWEN3_STYLE = (

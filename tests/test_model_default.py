@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.guided import collect_stop_token_ids
 from tpguide.model import default_model as dm
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
+from tpguide.model.tokenizer_facts import collect_stop_token_ids
 
 
 def _fake_convert(calls):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.model.model_source import gguf_cache_dir, resolve_model_dir
 
 gguf = pytest.importorskip("gguf")

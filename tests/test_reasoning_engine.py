@@ -10,8 +10,8 @@ from reasoning_testing import THINK_END_ID, check_reasoning_outputs, key, reason
 from transformers import AutoTokenizer
 
 from tpguide.dist import TPGroup
-from tpguide.engine.driver import tokenize_prompt
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
+from tpguide.engine.intake import tokenize_prompt
 from tpguide.engine.request_io import parse_request_lines
 
 REPO = Path(__file__).resolve().parents[1]

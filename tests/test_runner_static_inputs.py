@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, build_engine, step_capacity
+from tpguide.engine import EngineConfig, build_engine, step_capacity
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.worker.runner import StepRunner
 from tpguide.worker.step_inputs import StepCapacity

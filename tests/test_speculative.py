@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpguide.engine.engine import EngineConfig
+from tpguide.engine import EngineConfig
 from tpguide.speculative.ngram import NgramProposer
 from tpguide.speculative.verify import num_accepted_drafts
 

@@ -16,8 +16,8 @@ import pytest
 from tool_format_testing import FAMILIES, family_setup, tool_lines, write_family_model
 
 from tpguide.dist import TPGroup
-from tpguide.engine.driver import tokenize_prompt
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
+from tpguide.engine.intake import tokenize_prompt
 from tpguide.engine.request_io import parse_request
 from tpguide.serving.responses import chat_message
 from tpguide.serving.tool_calls import tool_call_error

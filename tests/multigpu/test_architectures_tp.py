@@ -60,7 +60,7 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
 
     Per case one model shard is loaded: its logits shards are taken, then an
     :class:`Engine` runs the requests on that same shard (what
-    :func:`~tpguide.engine.engine.build_engine` builds).  The tokenizer is
+    :func:`~tpguide.engine.startup.build_engine` builds).  The tokenizer is
     loaded once: every checkpoint carries SmolLM2's tokenizer files.
     """
     import json
@@ -68,11 +68,10 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
     import torch.distributed as dist
 
     from tpguide.dist import group as C
-    from tpguide.engine.engine import Engine, EngineConfig
+    from tpguide.engine import Engine, EngineConfig
     from tpguide.engine.request_io import parse_request_lines
-    from tpguide.guided import collect_stop_token_ids
-    from tpguide.guided.matcher import producible_vocab_size
     from tpguide.model.loader import load_model
+    from tpguide.model.tokenizer_facts import collect_stop_token_ids, producible_vocab_size
 
     rank = group.tp_rank
     groups = {1: TPGroup()} if rank == 0 else {}

@@ -9,7 +9,7 @@ import pytest
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
 MAX_TOKENS = 8  # requests without max_tokens

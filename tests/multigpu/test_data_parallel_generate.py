@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tpguide.dist.spawn import free_port, run_on_ranks
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = [{"id": f"r{i}", "prompt": f"Story {i}:", "max_tokens": 6 + i % 3} for i in range(7)]
@@ -63,8 +63,8 @@ def _offline_with_a_dying_replica(group, model_dir, lines):
     import threading
 
     from tpguide.dist.replica_channel import open_replica_channels
+    from tpguide.engine import build_engine
     from tpguide.engine.data_parallel import ReplicaFailed, follow_front_end, generate_on_replicas
-    from tpguide.engine.engine import build_engine
     from tpguide.engine.request_io import parse_request_lines
 
     channels = open_replica_channels(group, heartbeat_s=0.5, timeout_s=30.0)

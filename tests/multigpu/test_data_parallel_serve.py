@@ -30,7 +30,7 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import free_port
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -18,8 +18,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_at_tp_size
-from tpguide.engine import EngineConfig, build_engine
-from tpguide.engine.engine import generate_on_group
+from tpguide.engine import EngineConfig, build_engine, generate_on_group
 from tpguide.engine.request_io import request_from_dict
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},

@@ -23,7 +23,7 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_at_tp_size
-from tpguide.engine.engine import Engine, EngineConfig, build_engine
+from tpguide.engine import Engine, EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},

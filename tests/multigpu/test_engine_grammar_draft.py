@@ -18,8 +18,8 @@ from grammar_draft_testing import key, run, tool_call_lines
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_at_tp_size
+from tpguide.engine import EngineConfig
 from tpguide.engine.demo_requests import DEMO_REQUESTS
-from tpguide.engine.engine import EngineConfig
 from tpguide.model.dtype import resolve_dtype
 
 MAX_TOKENS = 12

@@ -14,7 +14,7 @@ import pytest
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 REGEX = r"[a-c]{2,4}-\d"

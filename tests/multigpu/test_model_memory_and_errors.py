@@ -30,7 +30,7 @@ def _kib(field: str) -> int:
 def _memory_and_errors(group, bf16_dir, broken_dirs):
     import gc
 
-    from tpguide.engine.engine import EngineConfig, build_engine
+    from tpguide.engine import EngineConfig, build_engine
     from tpguide.model.config import ModelConfig
     from tpguide.model.loader import load_model
 

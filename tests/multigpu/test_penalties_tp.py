@@ -9,8 +9,7 @@ of the same request without it (so the test cannot pass by ignoring it).
 import pytest
 
 from tpguide.dist.spawn import run_at_tp_size
-from tpguide.engine import EngineConfig
-from tpguide.engine.engine import generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128)
 BASE = {"prompt": "The cat sat on the", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}

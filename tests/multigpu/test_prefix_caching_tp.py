@@ -18,8 +18,8 @@ from prefix_caching_testing import CACHING_OFF, CACHING_ON, chat_turns, outputs_
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
+from tpguide.engine import build_engine
 from tpguide.engine.demo_requests import DEMO_REQUESTS
-from tpguide.engine.engine import build_engine
 from tpguide.model.config import ModelConfig
 
 BLOCKS = 16

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tpguide.dist import TPGroup
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = [{"id": f"r{i}", "prompt": f"Story {i}:", "max_tokens": 20} for i in range(6)]

@@ -26,7 +26,7 @@ CASES = [(1, "none", "xgrammar"), (1, "none", "llguidance"), (1, "grammar", "xgr
 def _all_cases(group, model_dir, lines):
     import torch.distributed as dist
 
-    from tpguide.engine.engine import EngineConfig, generate_on_group
+    from tpguide.engine import EngineConfig, generate_on_group
 
     rank = group.tp_rank
     groups = {1: TPGroup()} if rank == 0 else {}

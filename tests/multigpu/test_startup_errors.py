@@ -16,7 +16,7 @@ import pytest
 
 from tpguide.dist.group import check_same_device_type
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.model.random_checkpoint import write_random_checkpoint
 from tpguide.worker.protocol import DriverAborted

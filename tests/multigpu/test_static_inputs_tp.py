@@ -10,7 +10,7 @@ import json
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig, build_engine, generate_on_group, step_capacity
+from tpguide.engine import EngineConfig, build_engine, generate_on_group, step_capacity
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.worker.runner import StepRunner
 

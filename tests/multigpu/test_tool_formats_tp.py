@@ -19,7 +19,7 @@ from tool_format_testing import FAMILIES, family_setup, run_formats, tool_lines,
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_at_tp_size
-from tpguide.engine.engine import EngineConfig
+from tpguide.engine import EngineConfig
 from tpguide.model.dtype import resolve_dtype
 
 FORMATS_TP = ("llama3_json", "mistral", "qwen3", "qwen3_coder")

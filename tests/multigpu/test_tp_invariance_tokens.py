@@ -23,7 +23,7 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.engine.engine import EngineConfig, generate_on_group
+from tpguide.engine import EngineConfig, generate_on_group
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO.parent / "shared" / "bench-data" / "vllm_fixtures.jsonl"
@@ -117,7 +117,7 @@ def test_tp1_two_threads_equals_one_thread(demo_reference, tiny_model_path, demo
 
 
 def _each_alone(model_dir: str, request_dicts: list) -> list:
-    from tpguide.engine.engine import build_engine
+    from tpguide.engine import build_engine
     from tpguide.engine.request_io import parse_request_lines
 
     engine = build_engine(TPGroup(), model_dir, CONFIG)

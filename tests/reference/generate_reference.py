@@ -40,7 +40,7 @@ def request_sets():
     import test_rank_failure as rf
     from demo_requests import DEMO_REQUESTS
 
-    from tpguide.engine.engine import EngineConfig
+    from tpguide.engine import EngineConfig
 
     def cfg(c):
         return {f: getattr(c, f) for f in CONFIG_FIELDS}
@@ -73,7 +73,7 @@ def request_sets():
 def run_sets(group, model_paths, sets):
     """Every set on this group (spawnable); every rank returns the driver's outputs per set."""
     from tpguide.dist import group as C
-    from tpguide.engine.engine import EngineConfig
+    from tpguide.engine import EngineConfig
     from tpguide.engine.offline import build_engine
     from tpguide.engine.request_io import parse_request_lines
 

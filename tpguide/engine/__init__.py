@@ -4,10 +4,15 @@ Runs on tp_rank 0 (the driver) only, except :class:`Engine` itself, which
 every rank builds (non-driver ranks call :meth:`Engine.run_worker`).  The
 every-rank step execution lives in :mod:`tpguide.worker`, the sampling
 mathematics in :mod:`tpguide.sampling`, speculative decoding in
-:mod:`tpguide.speculative`.
+:mod:`tpguide.speculative`.  This package's names below are the engine API:
+``serving/`` and ``launch/`` import only these.
 """
 
-from tpguide.engine.engine import Engine, EngineConfig, build_engine
+from tpguide.engine.config import EngineConfig, step_capacity
+from tpguide.engine.engine import Engine
+from tpguide.engine.offline import generate_on_group
 from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.startup import build_engine
 
-__all__ = ["Engine", "EngineConfig", "Request", "RequestOutput", "build_engine"]
+__all__ = ["Engine", "EngineConfig", "Request", "RequestOutput", "build_engine", "generate_on_group",
+           "step_capacity"]

@@ -1,8 +1,10 @@
-"""The driver: a request's life on rank 0, from admission to its outputs; the step phases it delegates.
+"""The driver: the step phases of rank 0 around the requests it holds (schedule, plan, fill, finish, release).
 
-:class:`Driver` owns the requests, the tokenizer, the scheduler, the grammar
-matchers and the speculator.  :class:`~tpguide.engine.engine.Engine` calls,
-per step::
+:class:`Driver` owns the requests' scheduler, the grammar matchers and the
+speculator; requests reach it through :class:`~tpguide.engine.intake.Intake`
+(every check before a request runs) and leave it as outputs
+(:func:`~tpguide.engine.outputs.request_output`).
+:class:`~tpguide.engine.engine.Engine` calls, per step::
 
     scheduled = driver.schedule_step()                # drafts proposed, then scheduled (engine/drafting.py)
     planned = driver.plan_step(scheduled, <draft-head drafts>)  # a PlannedStep value (engine/planner.py)
@@ -11,137 +13,31 @@ per step::
     result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(filled, tp_size))
     outputs = driver.finish_step(planned, result, filled)       # StepFinisher (engine/finisher.py)
 
-Everything here fails per request: a bad prompt, a grammar that does not
-compile, a dead end or a matcher error finishes that request with
-``finish_reason="error"`` and a message, and the rest of the batch goes on.
-
-**Admission**, the ONE place where a request is checked before it runs.
-:func:`admit_request` tokenizes the prompt (chat template for ``messages``),
-checks its length against ``max_model_len`` (the sampling values are checked
-when :class:`~tpguide.engine.request.SamplingParams` is built) and submits
-the structured-output guide.  Any failure raises ``ValueError`` naming the
-values; :meth:`Driver.add_request` turns it into ``finish_reason="error"``
-for that request only.  Checks that refuse a
-request up front (fail closed, docs/architecture.md §5) belong here.
+Everything here fails per request: a dead end or a matcher error finishes
+that request with ``finish_reason="error"`` and a message, and the rest of
+the batch goes on.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from typing import Callable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
 from tpguide.engine.drafting import head_draft_requests, propose_drafts, with_head_drafts
 from tpguide.engine.finisher import StepFinisher
+from tpguide.engine.intake import Intake, tokenize_prompt
 from tpguide.engine.kv_cache_manager import KVCacheManager
+from tpguide.engine.outputs import request_output
 from tpguide.engine.planner import PlannedStep, planned_step_of
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
-from tpguide.guided.admission import admit
-from tpguide.guided.compile_service import CompileService
-from tpguide.guided.schema_check import validate_output
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
 from tpguide.worker.protocol import BitmaskSlices, StepResult
-
-
-def tokenize_prompt(tokenizer, req: Request) -> List[int]:
-    """Prompt token ids: chat template for ``messages``, plain encoding for ``prompt``.
-
-    ``chat_template_kwargs`` become template variables (Qwen3's
-    ``enable_thinking``).  A template that rejects the messages (Gemma 2:
-    no system role) raises ``ValueError`` naming its reason: that request fails.
-    """
-    if req.messages is not None:
-        from jinja2 import TemplateError
-
-        try:
-            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
-                                                 **(req.chat_template_kwargs or {}))
-        except TemplateError as exc:
-            raise ValueError(f"the model's chat template rejected the messages: {exc}") from exc
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(req.prompt)["input_ids"])
-
-
-def admit_request(req: Request, tokenizer, config, compile_guide: Callable, reasoning=None) -> None:
-    """Prepare ``req`` to run: prompt ids, seed, compiled guide, whether it thinks.
-
-    Parameters
-    ----------
-    req : Request
-        Not finished.  On return ``prompt_token_ids`` and ``seed`` are set
-        (``prompt_token_ids`` also when a later check fails, for the report).
-    tokenizer : transformers tokenizer
-    config : EngineConfig
-        ``max_model_len`` and the run ``seed`` (a request without a seed uses
-        ``seed * 1_000_003 + index``).
-    compile_guide : callable
-        ``compile_guide(StructuredOutputsParams)``: compiles (and caches) the
-        guide; raises ``ValueError`` for one that does not compile.
-    reasoning : ReasoningParser, optional
-        The engine's (docs/reasoning.md); ``req.thinks`` is set unless the
-        prompt closes the think block.
-
-    Raises
-    ------
-    ValueError
-        Empty prompt, prompt + ``max_tokens`` over ``max_model_len``, bad
-        sampling values, a guide that does not compile, ``thinking_token_budget``
-        without a reasoning parser (the message names the values).
-    """
-    if req.prompt is not None and not req.prompt.strip():
-        raise ValueError(f"the prompt is empty or whitespace only: {req.prompt!r}")
-    ids = tokenize_prompt(tokenizer, req)
-    if not ids:
-        raise ValueError("the prompt is empty (0 tokens)")
-    req.prompt_token_ids = ids  # reported in the output even if a later check fails
-    limit = config.max_model_len
-    total = len(ids) + req.sampling_params.max_tokens
-    if total > limit:
-        raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({req.sampling_params.max_tokens}) = "
-            f"{total} exceeds max_model_len={limit}"
-        )
-    _check_stop_and_penalties(req, len(tokenizer), config)
-    if reasoning is None and req.sampling_params.thinking_token_budget is not None:
-        raise ValueError(f"thinking_token_budget={req.sampling_params.thinking_token_budget} needs a reasoning "
-                         f"model (reasoning_parser={config.reasoning_parser!r} found no think tokens)")
-    req.thinks = reasoning is not None and reasoning.starts_thinking(ids)
-    if req.structured_output is not None:
-        compile_guide(req.structured_output)
-    if req.sampling_params.seed is not None:
-        req.seed = req.sampling_params.seed
-    else:
-        req.seed = (config.seed * 1_000_003 + req.index) % (2**63 - 1)
-
-
-def _check_stop_and_penalties(req: Request, tokenizer_vocab_size: int, config) -> None:
-    """Refuse what could not be honoured: a stop string cutting a guided output, penalties with drafts.
-
-    Grammar drafts skip a request with penalties (:meth:`Speculator.propose`);
-    the n-gram and draft-head drafters would draft every request.
-    """
-    sp = req.sampling_params
-    if sp.stop and req.structured_output is not None:
-        raise ValueError(f"stop strings {list(sp.stop)} cannot be combined with structured_output: the output "
-                         "cut at a stop string would not satisfy its guide")
-    if sp.has_penalties and config.speculative_method in ("ngram", "draft-head"):
-        raise ValueError("presence/frequency/repetition penalties and logit_bias are not supported with "
-                         f"speculative decoding (speculative_method={config.speculative_method!r})")
-    bad = [t for t, _ in sp.logit_bias if t >= tokenizer_vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias token ids {bad} are outside the tokenizer's vocabulary "
-                         f"[0, {tokenizer_vocab_size})")
-
-
-#: JSON layouts of grammar drafts are compiled only for a guide admitted within this share of
-#: ``grammar_compile_timeout_s`` (docs/architecture.md §5 "JSON layouts").
-LAYOUT_COMPILE_BUDGET = 0.1
 
 
 class Filled(NamedTuple):
@@ -204,9 +100,7 @@ class Driver:
         self.num_steps = 0
         self._unreported: deque = deque()  # finished outside a step (admission errors, aborts)
         self._aborts: List[str] = []
-        self._compiles = CompileService(config.grammar_compile_timeout_s)  # guide checks + compile, off the loop
-        self._arrivals: deque = deque()  # admitted, waiting for their guide to compile (FIFO into the scheduler)
-        self._compiled: dict = {}  # request index -> (result, error) of its guide's admission
+        self.intake = Intake(tokenizer, config, self.kv, reasoning)
 
     @property
     def stop_token_ids(self) -> Set[int]:
@@ -228,79 +122,43 @@ class Driver:
         return self.guided
 
     def tokenize(self, req: Request) -> List[int]:
-        """Prompt token ids of ``req`` (:func:`tokenize_prompt`)."""
+        """Prompt token ids of ``req`` (:func:`~tpguide.engine.intake.tokenize_prompt`)."""
         return tokenize_prompt(self.tokenizer, req)
 
     def add_request(self, req: Request) -> None:
-        """Admit ``req`` (:func:`admit_request`) and queue it; never raises for bad input.
+        """Check ``req`` and queue it (:class:`~tpguide.engine.intake.Intake`); never raises for bad input.
 
         A guide is checked (fail closed, :mod:`tpguide.guided.admission`) and
-        compiled in a worker thread (:class:`~tpguide.guided.compile_service.CompileService`);
-        requests join the scheduler in arrival order, each once its guide is
-        admitted, while the running ones keep stepping.
+        compiled in a worker thread; requests join the scheduler in arrival
+        order, each once its guide is admitted, while the running ones keep
+        stepping.
         """
         if not req.is_finished:
-            try:
-                admit_request(req, self.tokenizer, self.config, self._submit_guide(req), self.reasoning)
-                self._check_fits_kv_cache(req)
-            except ValueError as exc:
-                req.fail(str(exc))
+            guided = req.structured_output is not None
+            self.intake.add(req, backend=self.guided_decoder().backend if guided else None,
+                            drafter=self.spec.grammar_drafter if guided and self.spec is not None else None)
         if req.is_finished:
             self._unreported.append(req)
         else:
-            self._arrivals.append(req)
             self._admit_arrivals()
-
-    def _check_fits_kv_cache(self, req: Request) -> None:
-        """Refuse a request the KV pool could not hold even alone (ValueError naming the numbers)."""
-        k = self.config.num_speculative_tokens
-        what = (f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling_params.max_tokens})"
-                + (f" + {k} speculative lookahead" if k else ""))
-        self.kv.check_fits(len(req.prompt_token_ids) + req.sampling_params.max_tokens + k, what)
-
-    def _submit_guide(self, req: Request):
-        def submit(params) -> None:
-            backend = self.guided_decoder().backend
-            drafter = self.spec.grammar_drafter if self.spec is not None else None
-            timeout_s = self.config.grammar_compile_timeout_s or 60.0
-
-            def job():
-                start = time.perf_counter()
-                admitted = admit(backend, params)
-                # the grammar drafter's JSON layouts, compiled beside the guide where the guide itself was
-                # quick (a layout compiles faster than its guide, so the four stay far inside the timeout)
-                if drafter is not None and time.perf_counter() - start < LAYOUT_COMPILE_BUDGET * timeout_s:
-                    drafter.prepare(backend, params)
-                return admitted
-            self._compiles.submit(req.index, job)
-        return submit
 
     def wait_for_admissions(self) -> None:
         """Block until every added request's guide is admitted or refused (offline start: deterministic batches)."""
-        while self._arrivals:
-            self._compiles.wait()
+        while self.intake.has_arrivals():
+            self.intake.wait()
             self._admit_arrivals()
 
     def _admit_arrivals(self, wait_s: float = 0.0) -> None:
-        """Move the admitted prefix of the arrivals into the scheduler; refused guides fail their request.
+        """Move the admitted arrivals into the scheduler; refused ones are reported.
 
         ``wait_s`` > 0: with nothing running, wait up to that long for a compile first.
         """
-        if wait_s > 0 and self._arrivals and not self.scheduler.has_unfinished():
-            self._compiles.wait(wait_s)
-        waiting = {r.index for r in self._arrivals}  # results of aborted arrivals are dropped
-        self._compiled.update((index, (result, error)) for index, result, error in self._compiles.collect()
-                              if index in waiting)
-        while self._arrivals and (self._arrivals[0].structured_output is None
-                                  or self._arrivals[0].index in self._compiled):
-            req = self._arrivals.popleft()
-            result, error = self._compiled.pop(req.index, (None, None))
-            if error is None:
-                req.guided_backend = result[0] if result is not None else None
-                self.scheduler.add(req)
-            else:
-                req.fail(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
-                self._unreported.append(req)
+        if wait_s > 0 and self.intake.has_arrivals() and not self.scheduler.has_unfinished():
+            self.intake.wait(wait_s)
+        admitted, refused = self.intake.take_admitted()
+        for req in admitted:
+            self.scheduler.add(req)
+        self._unreported.extend(refused)
 
     def abort_request(self, request_id: str) -> None:
         """Finish ``request_id`` with ``"abort"`` at the next step boundary (unknown ids are ignored)."""
@@ -308,7 +166,7 @@ class Driver:
 
     def has_unfinished_requests(self) -> bool:
         """True while some added request has not had its final output returned."""
-        return self.scheduler.has_unfinished() or bool(self._unreported) or bool(self._arrivals)
+        return self.scheduler.has_unfinished() or bool(self._unreported) or self.intake.has_arrivals()
 
     def has_work(self) -> bool:
         """True when the next step runs the model (some request is waiting or running)."""
@@ -324,12 +182,7 @@ class Driver:
         self._admit_arrivals(wait_s=0.05)
         aborts, self._aborts = set(self._aborts), []
         if aborts:
-            for req in [r for r in self._arrivals if r.request_id in aborts]:
-                req.finish("abort")  # its compile result is dropped when it arrives
-                self._unreported.append(req)
-            kept = [r for r in self._arrivals if not r.is_finished]
-            self._arrivals.clear()
-            self._arrivals.extend(kept)
+            self._unreported.extend(self.intake.abort(aborts))  # their compile results are dropped
             waiting = self.scheduler.waiting
             for req in [r for r in waiting if r.request_id in aborts]:
                 req.finish("abort")
@@ -434,43 +287,6 @@ class Driver:
                             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
                             num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
-    # ------------------------------------------------------------ outputs
-    def _texts(self, req: Request) -> Tuple[Optional[str], str]:
-        """``(reasoning, text)`` of ``req`` now: the think block and the answer (docs/reasoning.md), or (None, all).
-
-        A stop string's cut (an offset in the whole output's text) cuts the answer, the reasoning kept whole.
-        """
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""  # noqa: E731
-        ids = req.output_token_ids
-        reasoning, answer = (None, ids) if not req.thinks else self.reasoning.split(ids)
-        text = decode(answer or [])
-        if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it
-            before = len(decode(ids)) - len(text)  # the whole output's text up to the answer
-            text = text[:max(0, req.stop_text_cut - before)]
-        return (decode(reasoning) if reasoning is not None else None), text
-
     def output_of(self, req: Request) -> RequestOutput:
-        """``req``'s output now: the delta since the last report plus the totals."""
-        ids = req.output_token_ids
-        start = req.num_reported_tokens
-        req.num_reported_tokens = len(ids)
-        reasoning, text = self._texts(req)
-        if req.finish_reason == "stop" and req.structured_output is not None:
-            invalid = validate_output(req.structured_output, text)  # the last line of defence (fail closed)
-            if invalid is not None:
-                req.finish_reason, req.error = "error", invalid
-        elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time
-        want_logprobs = bool(req.sampling_params.logprobs)
-        return RequestOutput(
-            request_id=req.request_id, index=req.index,
-            new_token_ids=list(ids[start:]), token_ids=list(ids), text=text, reasoning=reasoning,
-            finish_reason=req.finish_reason, error=req.error,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            new_logprobs=list(req.output_logprobs[start:]) if want_logprobs else None,
-            logprobs=list(req.output_logprobs) if want_logprobs else None,
-            prompt_logprobs=([None] + req.prompt_logprobs
-                             if req.sampling_params.prompt_logprobs is not None and req.prompt_token_ids
-                             and req.finish_reason != "error"
-                             else None),
-            elapsed_s=elapsed, guided_backend=req.guided_backend,
-        )
+        """``req``'s output now (:func:`~tpguide.engine.outputs.request_output`): the delta since the last report."""
+        return request_output(req, self.tokenizer, self.reasoning)

@@ -1,15 +1,16 @@
 """Grammar-guided decoding on the driver (docs/architecture.md §5).
 
-``params`` parses a request's guide, ``admission`` builds the xgrammar,
-llguidance or ``auto`` backend for the tokenizer (:func:`make_backend`) and
-admits each guide (fail-closed checks, compile off the step loop),
+``params`` parses a request's guide, ``backends`` builds the xgrammar,
+llguidance or ``auto`` backend for the tokenizer (:func:`make_backend`),
+``admission`` admits each guide (fail-closed checks, then the compile, off
+the step loop),
 ``decoder`` holds ``GuidedDecoder`` (one record per slot, fills the
 bitmask), ``bitmask`` the bitmask helpers, the dead-end check and the per-rank split.  The backends are
 imported lazily, so each is only needed when chosen.  Nothing here runs a
 function on import; the names below are re-exported.
 """
 
-from tpguide.guided.admission import BACKENDS, make_backend
+from tpguide.guided.backends import BACKENDS, make_backend
 from tpguide.guided.bitmask import (
     allocate_token_bitmask,
     find_dead_end_rows,
@@ -18,7 +19,7 @@ from tpguide.guided.bitmask import (
     unpack_bitmask,
 )
 from tpguide.guided.decoder import GuidedDecoder
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, collect_stop_token_ids
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import GUIDE_KEYS, GUIDE_TYPES, StructuredOutputsParams
 
 __all__ = [
@@ -30,7 +31,6 @@ __all__ = [
     "GuidedDecoder",
     "StructuredOutputsParams",
     "allocate_token_bitmask",
-    "collect_stop_token_ids",
     "find_dead_end_rows",
     "make_backend",
     "split_bitmask",

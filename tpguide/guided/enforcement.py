@@ -16,7 +16,7 @@ instance, then of the invalid one, each followed by a stop token
 :data:`MEASURED` is the table this produced for the installed xgrammar and
 llguidance; ``tests/test_guided_enforcement.py`` measures again and fails when
 the two differ (a backend upgrade changed what it enforces) and checks that
-the README prints :func:`format_table`.  Admission
+docs/guarantees.md prints :func:`format_table`.  Admission
 (:mod:`tpguide.guided.admission`) refuses a schema that uses a keyword marked
 ``NOT enforced`` for the chosen backend.
 """

@@ -46,8 +46,9 @@ import llguidance
 import llguidance.hf
 import torch
 
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend, producible_vocab_size
+from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, check_whitespace_mode, llguidance_json_options
+from tpguide.model.tokenizer_facts import producible_vocab_size
 
 
 def _llguidance_message(text: str) -> str:

@@ -57,9 +57,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, Dict, FrozenSet, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol
 
-import jsonschema
+if TYPE_CHECKING:
+    import jsonschema
 
 #: Work limit (schema nodes visited); beyond it the schema is assumed fine.
 MAX_VISITS = 20_000
@@ -299,6 +300,20 @@ def _uses_draft07_spelling(schema: Any) -> bool:
     return False
 
 
+def import_jsonschema():
+    """:mod:`jsonschema`, imported on first use.
+
+    Its import costs 1.5-2 s of CPU (``rfc3987_syntax`` builds a Lark parser
+    at import), which a process that never checks a schema (a non-driver
+    rank, an unguided run) should not pay; the engine imports it at start-up
+    in its grammar-tables thread (:class:`~tpguide.engine.engine.Engine`), so
+    no request waits for it either.
+    """
+    import jsonschema
+
+    return jsonschema
+
+
 def validator_for_schema(schema: Any) -> jsonschema.protocols.Validator:
     """A :mod:`jsonschema` validator (with format checking) for ``schema``'s dialect.
 
@@ -307,6 +322,7 @@ def validator_for_schema(schema: Any) -> jsonschema.protocols.Validator:
     jsonschema.exceptions.SchemaError
         ``schema`` is not a valid schema of its dialect.
     """
+    jsonschema = import_jsonschema()
     default = jsonschema.Draft7Validator if _uses_draft07_spelling(schema) else jsonschema.Draft202012Validator
     cls = jsonschema.validators.validator_for(schema, default=default)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
@@ -317,7 +333,7 @@ def _validator_of_text(schema_text: str) -> Optional[jsonschema.protocols.Valida
     schema = json.loads(schema_text)
     try:
         return validator_for_schema(schema)
-    except jsonschema.exceptions.SchemaError:
+    except import_jsonschema().exceptions.SchemaError:
         return None  # the backend compiled it; jsonschema cannot judge it
 
 
@@ -358,7 +374,7 @@ def validate_output(params: Guide, text: str) -> Optional[str]:
         validator = _validator_of_text(params.guide_text)
         if validator is None:
             return None
-        error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+        error = import_jsonschema().exceptions.best_match(validator.iter_errors(instance))
         if error is None:
             return None
         return (f"output fails its {kind}: {error.message} (instance at {_child('', *error.absolute_path) or '/'}, "

@@ -19,7 +19,7 @@ so :class:`Int4Weight` rounds ``scale`` and ``zero`` to bf16 once: the q
 values are the file's, the group scales lose the fp16 bits bf16 lacks.
 
 Status: conversion, sharding on group boundaries and the matmul are here and
-tested; the model does not load GGUF files through it yet (README).
+tested; the model does not load GGUF files through it yet (docs/status.md, `--quantization gguf`).
 """
 
 from __future__ import annotations

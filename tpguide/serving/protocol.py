@@ -1,4 +1,4 @@
-"""An OpenAI request body -> request-line dicts (README "A request line"), one per choice.
+"""An OpenAI request body -> request-line dicts (docs/usage.md "Running your own requests"), one per choice.
 
 The server goes through :func:`tpguide.engine.request_io.request_from_dict`
 with these dicts, so validation and its messages are the offline path's.
@@ -111,7 +111,7 @@ def _guide(body: Dict[str, Any], tools: Optional[ToolPlan], backend: str) -> Opt
             if strict is not None and not isinstance(strict, bool):
                 raise bad_request(f"response_format.json_schema.strict must be true or false, got {strict!r}",
                                   "response_format.json_schema.strict")
-            # OpenAI's strict: false is best effort (README "Best effort"); absent or true is strict
+            # OpenAI's strict: false is best effort (docs/guarantees.md "Best effort"); absent or true is strict
             sources.append(("response_format", {"json": js["schema"], **({"strict": False} if strict is False else {})}))
         elif kind != "text":
             raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
