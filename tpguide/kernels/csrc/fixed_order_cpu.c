@@ -61,7 +61,7 @@ static inline void store_elem(void *out, int64_t dtype, int64_t i, float v) {
 
 /* A tile is rows [0, mr) x the NB columns of one packed panel of one unit, accumulated from 0:
  * acc[r][j] = fma chain over k of x[r][k] * w[k * ldw + j]. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TPGUIDE_PORTABLE_TILE)
 #include <immintrin.h>
 /* AVX-512: one zmm lane per output column, the rows' accumulators in registers; the same fma per
  * element as the portable tile below, so the bits do not depend on which one runs. */
@@ -113,6 +113,63 @@ static inline __attribute__((always_inline)) void load_w_bf16(const uint16_t *w,
     }
 DEFINE_TILE(tile_f32, float, load_w_f32)
 DEFINE_TILE(tile_bf16, uint16_t, load_w_bf16)
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(TPGUIDE_PORTABLE_TILE)
+/* AVX2 + FMA (16 ymm registers): the panel in two halves of 16 columns (two ymm), each half in groups
+ * of up to 4 rows, 8 accumulators in registers; k in blocks of KC so that a half panel's block stays
+ * in L1 for the second row group.  An accumulator is stored after one block and reloaded for the
+ * next (exact), and _mm256_fmadd_ps is fmaf in every lane, so every element is the portable tile's
+ * fma chain, k ascending from 0: the same bits.  bf16 weights are widened exactly (shift left 16). */
+#define KC 256
+static inline __attribute__((always_inline)) __m256 load8_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *w) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#define DEFINE_TILE(NAME, WTYPE, LOADW)                                                              \
+    /* acc[r][0..16) += chain over k in [k0, k1) of x[r][k] * w[k][0..16), r < rows (acc from 0 when  \
+     * first), acc's row stride NB. */                                                                \
+    static inline __attribute__((always_inline)) void NAME##_group(const int rows, const float *x,   \
+            int64_t ldx, const WTYPE *w, int64_t ldw, int64_t k0, int64_t k1, float *acc, int first) { \
+        __m256 a0[4], a1[4];                                                                          \
+        for (int r = 0; r < rows; r++) {                                                              \
+            a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NB);                       \
+            a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NB + 8);                   \
+        }                                                                                             \
+        for (int64_t k = k0; k < k1; k++) {                                                           \
+            const __m256 w0 = LOADW(w + k * ldw), w1 = LOADW(w + k * ldw + 8);                        \
+            for (int r = 0; r < rows; r++) {                                                          \
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                               \
+                a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);                                               \
+                a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);                                               \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < rows; r++) {                                                              \
+            _mm256_storeu_ps(acc + r * NB, a0[r]);                                                    \
+            _mm256_storeu_ps(acc + r * NB + 8, a1[r]);                                                \
+        }                                                                                             \
+    }                                                                                                 \
+    static void NAME(int mr, const float *x, int64_t ldx, const WTYPE *w, int64_t ldw, int64_t K,    \
+                     int nb, float acc_out[MR][NB]) {                                                 \
+        (void)nb; /* all NB columns: the panel is zero past N */                                      \
+        int64_t k0 = 0;                                                                               \
+        do {                                                                                          \
+            const int64_t k1 = K - k0 < KC ? K : k0 + KC;                                             \
+            for (int h = 0; h < NB; h += 16)                                                          \
+                for (int r0 = 0; r0 < mr; r0 += 4) {                                                  \
+                    const float *xr = x + r0 * ldx;                                                   \
+                    float *acc = &acc_out[r0][h];                                                     \
+                    switch (mr - r0 < 4 ? mr - r0 : 4) {                                              \
+                    case 4: NAME##_group(4, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    case 3: NAME##_group(3, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    case 2: NAME##_group(2, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    default: NAME##_group(1, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;       \
+                    }                                                                                 \
+                }                                                                                     \
+            k0 = k1;                                                                                  \
+        } while (k0 < K);                                                                             \
+    }
+DEFINE_TILE(tile_f32, float, load8_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load8_bf16)
 #else
 /* Portable tile (the compiler vectorises the loop over columns; fmaf is exact either way). */
 #define DEFINE_TILE(NAME, WTYPE, LOADW)                                                              \
