@@ -1,0 +1,78 @@
+"""The linear's SIMD register tile (AVX2 or AVX-512) gives the portable C tile's bits, element for element.
+
+Both builds of ``csrc/fixed_order_cpu.c`` come from the same flags for this
+CPU's instruction set; one adds ``-DTPGUIDE_PORTABLE_TILE``, which compiles
+the plain-C fma chain instead of the intrinsics tile (docs/architecture.md §6).
+The shapes are awkward on purpose: rows not a multiple of the tile's rows,
+columns not a multiple of the panel, unit widths across the k block, several
+units, fp32 and bf16 weights, fp32, bf16 and per-unit outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from tpguide.kernels.c_library import load_library
+from tpguide.kernels.fixed_order_cpu import BASE_CFLAGS, ISA_CFLAGS, PANEL, SOURCE, choose_isa, cpu_flags
+
+ISA = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
+pytestmark = pytest.mark.skipif(ISA == "default", reason="no SIMD tile on this CPU: both builds are the portable one")
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _library(portable: bool) -> ctypes.CDLL:
+    flags = BASE_CFLAGS + ISA_CFLAGS[ISA] + (("-DTPGUIDE_PORTABLE_TILE",) if portable else ())
+    lib = load_library(SOURCE, flags)
+    lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64)
+    lib.tpguide_linear_units.restype = ctypes.c_int
+    return lib
+
+
+def _panels(w: torch.Tensor, units: int) -> torch.Tensor:
+    """``w [N, U * K_unit]`` -> ``[U, P, K_unit, PANEL]``, zero past N (the non-AMX packing)."""
+    n, k = w.shape
+    p = -(-n // PANEL)
+    padded = w.new_zeros(p * PANEL, k)
+    padded[:n] = w
+    return padded.view(p, PANEL, units, k // units).permute(2, 0, 3, 1).contiguous()
+
+
+def _run(lib, x, panels, units, n, out_dtype, sum_units, threads):
+    m, k = x.shape
+    shape = (m, n) if sum_units else (units, m, n)
+    out = torch.full(shape, float("nan"), dtype=out_dtype)
+    status = lib.tpguide_linear_units(x.data_ptr(), m, k, panels.data_ptr(), 0 if panels.dtype == torch.float32 else 2,
+                                      k // units, units, n, out.data_ptr(), 0 if out_dtype == torch.float32 else 2,
+                                      int(sum_units), threads)
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k_unit", "units"), [(1, 1, 1, 1), (3, 33, 7, 1), (5, 70, 300, 1),
+                                                         (13, 31, 64, 3), (8, 96, 520, 2), (37, 65, 129, 4)])
+def test_simd_tile_equals_portable_tile_bit_for_bit(w_dtype, m, n, k_unit, units):
+    simd, portable = _library(False), _library(True)
+    gen = torch.Generator().manual_seed(m * 1000 + n + k_unit)
+    k = k_unit * units
+    # magnitudes over several binades, so that a different order or a lost fma would show in the last bits
+    x = (torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-6, 7, (m, k), generator=gen).float()))
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(w_dtype)
+    panels = _panels(w, units)
+    for out_dtype, sum_units in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
+        for threads in (1, 2):
+            want = _run(portable, x, panels, units, n, out_dtype, sum_units, 1)
+            got = _run(simd, x, panels, units, n, out_dtype, sum_units, threads)
+            assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)), \
+                f"ISA {ISA}: {(m, n, k_unit, units)} {w_dtype} -> {out_dtype} sum_units={sum_units} threads={threads}"
+    # and the values are the product: the fp64 oracle within fp32 rounding
+    want64 = sum((x[:, u * k_unit:(u + 1) * k_unit].double() @ w[:, u * k_unit:(u + 1) * k_unit].double().T)
+                 for u in range(units))
+    torch.testing.assert_close(_run(simd, x, panels, units, n, torch.float32, True, 2).double(), want64,
+                               rtol=1e-4, atol=1e-3)
