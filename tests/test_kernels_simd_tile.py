@@ -1,8 +1,9 @@
-"""The linear's SIMD register tile (AVX2 or AVX-512) gives the portable C tile's bits, element for element.
+"""The kernels' intrinsics (AVX2 or AVX-512) give the plain C's bits, element for element.
 
 Both builds of ``csrc/fixed_order_cpu.c`` come from the same flags for this
-CPU's instruction set; one adds ``-DTPGUIDE_PORTABLE_TILE``, which compiles
-the plain-C fma chain instead of the intrinsics tile (docs/architecture.md §6).
+CPU's instruction set; one adds ``-DTPGUIDE_NO_INTRINSICS``, which compiles
+the plain C (the linear's fma chain, the exp of SiLU and softmax) instead of
+the intrinsics (docs/architecture.md §6).
 The shapes are awkward on purpose: rows not a multiple of the tile's rows,
 columns not a multiple of the panel, unit widths across the k block, several
 units, fp32 and bf16 weights, fp32, bf16 and per-unit outputs.
@@ -26,10 +27,12 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 def _library(portable: bool) -> ctypes.CDLL:
-    flags = BASE_CFLAGS + ISA_CFLAGS[ISA] + (("-DTPGUIDE_PORTABLE_TILE",) if portable else ())
+    flags = BASE_CFLAGS + ISA_CFLAGS[ISA] + (("-DTPGUIDE_NO_INTRINSICS",) if portable else ())
     lib = load_library(SOURCE, flags)
     lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64)
     lib.tpguide_linear_units.restype = ctypes.c_int
+    lib.tpguide_unary.argtypes = (_ptr, _i64, _i64, ctypes.c_float, _ptr, _i64)
+    lib.tpguide_unary.restype = None
     return lib
 
 
@@ -76,3 +79,17 @@ def test_simd_tile_equals_portable_tile_bit_for_bit(w_dtype, m, n, k_unit, units
                  for u in range(units))
     torch.testing.assert_close(_run(simd, x, panels, units, n, torch.float32, True, 2).double(), want64,
                                rtol=1e-4, atol=1e-3)
+
+
+def test_vector_silu_equals_scalar_silu_bit_for_bit():
+    gen = torch.Generator().manual_seed(11)
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, -87.3, -87.4, -100.0, 100.0, 1e30, -1e30,
+                            float("inf"), float("-inf"), 88.7, -88.7, 0.5, -0.5])
+    x = torch.cat([special, torch.randn(4001, generator=gen) * 20, torch.randn(999, generator=gen) * 0.01])
+    outs = []
+    for lib in (_library(False), _library(True)):
+        out = torch.full_like(x, float("nan"))
+        lib.tpguide_unary(x.data_ptr(), x.numel(), 0, 0.0, out.data_ptr(), 2)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), \
+        x[outs[0].view(torch.int32) != outs[1].view(torch.int32)]

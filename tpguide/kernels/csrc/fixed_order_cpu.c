@@ -27,6 +27,14 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+/* Which intrinsics paths are compiled; -DTPGUIDE_NO_INTRINSICS builds the plain C of every kernel
+ * (the same bits: the intrinsics repeat its IEEE operations, tests/test_kernels_simd_tile.py). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TPGUIDE_NO_INTRINSICS)
+#define USE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TPGUIDE_NO_INTRINSICS)
+#define USE_AVX2 1
+#endif
 
 #define NB 32   /* columns per weight panel */
 #define MR 8    /* rows per register tile */
@@ -61,7 +69,7 @@ static inline void store_elem(void *out, int64_t dtype, int64_t i, float v) {
 
 /* A tile is rows [0, mr) x the NB columns of one packed panel of one unit, accumulated from 0:
  * acc[r][j] = fma chain over k of x[r][k] * w[k * ldw + j]. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TPGUIDE_PORTABLE_TILE)
+#if defined(USE_AVX512)
 #include <immintrin.h>
 /* AVX-512: one zmm lane per output column, the rows' accumulators in registers; the same fma per
  * element as the portable tile below, so the bits do not depend on which one runs. */
@@ -113,7 +121,7 @@ static inline __attribute__((always_inline)) void load_w_bf16(const uint16_t *w,
     }
 DEFINE_TILE(tile_f32, float, load_w_f32)
 DEFINE_TILE(tile_bf16, uint16_t, load_w_bf16)
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(TPGUIDE_PORTABLE_TILE)
+#elif defined(USE_AVX2)
 /* AVX2 + FMA (16 ymm registers): the panel in two halves of 16 columns (two ymm), each half in groups
  * of up to 4 rows, 8 accumulators in registers; k in blocks of KC so that a half panel's block stays
  * in L1 for the second row group.  An accumulator is stored after one block and reloaded for the
@@ -319,7 +327,7 @@ static inline float exp_nonpositive(float x) {
     return x < -87.3f ? 0.0f : p * scale;
 }
 
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
 /* exp_nonpositive on 16 lanes: the same IEEE operations in the same order, so the scalar bits. */
 static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 floor_x = _mm512_set1_ps(-87.3f);
@@ -341,14 +349,38 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
     return _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
 }
+#elif defined(USE_AVX2)
+/* exp_nonpositive on 8 lanes: the same IEEE operations in the same order, so the scalar bits
+ * (max(-87.3, x) keeps a NaN x, as the scalar select does). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.3f);
+    const __m256 xc = _mm256_max_ps(floor_x, x);
+    const __m256 z = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(z, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(z, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(z), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ));
+}
 #endif
 
 /* sr[j] = exp_nonpositive(sr[j] - m) for j in [lo, hi], 16 lanes at a time where the CPU has AVX-512. */
 static inline void exp_shifted(float *sr, int64_t lo, int64_t hi, float m) {
     int64_t j = lo;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 vm = _mm512_set1_ps(m);
     for (; j + 16 <= hi + 1; j += 16) _mm512_storeu_ps(sr + j, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm)));
+#elif defined(USE_AVX2)
+    const __m256 vm = _mm256_set1_ps(m);
+    for (; j + 8 <= hi + 1; j += 8) _mm256_storeu_ps(sr + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm)));
 #endif
     for (; j <= hi; j++) sr[j] = exp_nonpositive(sr[j] - m);
 }
@@ -362,7 +394,7 @@ static inline float silu_fixed(float x) {
 
 static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
     int64_t i = lo;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (; i + 16 <= hi; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
@@ -373,6 +405,17 @@ static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
         const __m512 pos_r = _mm512_div_ps(v, den);
         const __m512 neg_r = _mm512_div_ps(_mm512_mul_ps(v, e), den);
         _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(neg, pos_r, neg_r));
+    }
+#elif defined(USE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 neg = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+        const __m256 e = exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(zero, v), v, neg)); /* -|x| */
+        const __m256 den = _mm256_add_ps(one, e);
+        const __m256 pos_r = _mm256_div_ps(v, den);
+        const __m256 neg_r = _mm256_div_ps(_mm256_mul_ps(v, e), den);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(pos_r, neg_r, neg));
     }
 #endif
     for (; i < hi; i++) out[i] = silu_fixed(x[i]);
@@ -415,7 +458,7 @@ int64_t tpguide_attention_scratch_floats(int64_t L, int64_t D) {
 /* s[r][l + 16 b] = fma chain over d of q[r][d] * kt[d * ld + 16 b + l], r < rb, b < kb. */
 static inline __attribute__((always_inline)) void score_block(const float *q, int64_t D, const float *kt, int64_t ld,
                                                               float *s, int64_t lds, int rb, int kb) {
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __m512 acc[RB][KB];
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < kb; b++) acc[r][b] = _mm512_setzero_ps();
@@ -445,7 +488,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ldp, const float *vf, int64_t D,
                                                            int64_t d0, int64_t dn, int64_t j0, int64_t j1, float *o,
                                                            int rb, int nv) {
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __mmask16 mask[DB];
     for (int b = 0; b < nv; b++) {
         const int64_t left = dn - 16 * b;
@@ -529,7 +572,7 @@ static inline float scale_and_max(float *sr, int64_t lo, int64_t hi, float scale
         }
         return m;
     }
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= hi + 1; j += 16) {
@@ -551,7 +594,7 @@ static inline float scale_and_max(float *sr, int64_t lo, int64_t hi, float scale
 static inline float lane_sum(const float *p, int64_t c0, int64_t c1) {
     float lane[LANES];
     for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = c0; j < c1; j += LANES) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
     _mm512_storeu_ps(lane, acc);
