@@ -2,8 +2,8 @@
 
 Both builds of ``csrc/fixed_order_cpu.c`` come from the same flags for this
 CPU's instruction set; one adds ``-DTPGUIDE_NO_INTRINSICS``, which compiles
-the plain C (the linear's fma chain, the exp of SiLU and softmax) instead of
-the intrinsics (docs/architecture.md §6).
+the plain C (the linear's fma chain, attention's score and P V blocks, the
+exp of SiLU and softmax) instead of the intrinsics (docs/architecture.md §6).
 The shapes are awkward on purpose: rows not a multiple of the tile's rows,
 columns not a multiple of the panel, unit widths across the k block, several
 units, fp32 and bf16 weights, fp32, bf16 and per-unit outputs.
@@ -16,23 +16,21 @@ import os
 
 import pytest
 import torch
+from test_kernels_fixed_order import _cache_and_queries, _dense
 
+import tpguide.kernels.fixed_order_cpu as fixed_order
 from tpguide.kernels.c_library import load_library
 from tpguide.kernels.fixed_order_cpu import BASE_CFLAGS, ISA_CFLAGS, PANEL, SOURCE, choose_isa, cpu_flags
 
 ISA = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
 pytestmark = pytest.mark.skipif(ISA == "default", reason="no SIMD tile on this CPU: both builds are the portable one")
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
 def _library(portable: bool) -> ctypes.CDLL:
     flags = BASE_CFLAGS + ISA_CFLAGS[ISA] + (("-DTPGUIDE_NO_INTRINSICS",) if portable else ())
-    lib = load_library(SOURCE, flags)
-    lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64)
-    lib.tpguide_linear_units.restype = ctypes.c_int
-    lib.tpguide_unary.argtypes = (_ptr, _i64, _i64, ctypes.c_float, _ptr, _i64)
-    lib.tpguide_unary.restype = None
+    lib, loaded = load_library(SOURCE, flags), fixed_order.library()
+    for name in ("tpguide_linear_units", "tpguide_unary", "tpguide_attention", "tpguide_attention_scratch_floats"):
+        getattr(lib, name).argtypes = getattr(loaded, name).argtypes
+        getattr(lib, name).restype = getattr(loaded, name).restype
     return lib
 
 
@@ -93,3 +91,17 @@ def test_vector_silu_equals_scalar_silu_bit_for_bit():
         outs.append(out)
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), \
         x[outs[0].view(torch.int32) != outs[1].view(torch.int32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "window", "softcap"),
+                         [(9, 3, 64, None, None), (6, 2, 40, 37, None), (4, 4, 130, None, 2.0), (3, 1, 7, None, None)])
+def test_vector_attention_equals_plain_c_bit_for_bit(monkeypatch, dtype, heads, kv_heads, d, window, softcap):
+    """Score blocks of 64 keys and P V blocks of 16 dims, with key and head-dim remainders."""
+    q, kc, vc, slots, pos = _cache_and_queries(dtype, [150, 1, 70, 9], heads, kv_heads, d, length=160)
+    outs = []
+    for portable in (False, True):
+        monkeypatch.setattr(fixed_order, "_LIB", _library(portable))
+        for out_dtype in (torch.float32, torch.bfloat16):
+            outs.append(_dense(q, kc, vc, slots, pos, 0.1, window, softcap, out_dtype))
+    assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:])), (heads, kv_heads, d, window, softcap)

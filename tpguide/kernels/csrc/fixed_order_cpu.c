@@ -472,6 +472,23 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
     }
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < kb; b++) _mm512_storeu_ps(s + r * lds + b * KEYS, acc[r][b]);
+#elif defined(USE_AVX2)
+    for (int b = 0; b < kb; b++) { /* 16 keys (two ymm) x rb rows at a time: at most 8 accumulators */
+        __m256 a0[RB], a1[RB];
+        for (int r = 0; r < rb; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * ld + b * KEYS), k1 = _mm256_loadu_ps(kt + d * ld + b * KEYS + 8);
+            for (int r = 0; r < rb; r++) {
+                const __m256 qd = _mm256_broadcast_ss(q + r * D + d);
+                a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
+            }
+        }
+        for (int r = 0; r < rb; r++) {
+            _mm256_storeu_ps(s + r * lds + b * KEYS, a0[r]);
+            _mm256_storeu_ps(s + r * lds + b * KEYS + 8, a1[r]);
+        }
+    }
 #else
     float acc[RB][KEY_GROUP];
     for (int r = 0; r < rb; r++)
@@ -507,6 +524,27 @@ static inline __attribute__((always_inline)) void pv_block(const float *p, int64
     }
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < nv; b++) _mm512_mask_storeu_ps(o + r * D + d0 + 16 * b, mask[b], acc[r][b]);
+#elif defined(USE_AVX2)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int b = 0; b < nv; b++) { /* 16 dims (two ymm, masked past dn) x rb rows at a time */
+        const float *vb = vf + d0 + 16 * b;
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dn - 16 * b)), lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dn - 16 * b - 8)), lane);
+        __m256 a0[RB], a1[RB];
+        for (int r = 0; r < rb; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t j = j0; j <= j1; j++) {
+            const __m256 v0 = _mm256_maskload_ps(vb + j * D, m0), v1 = _mm256_maskload_ps(vb + j * D + 8, m1);
+            for (int r = 0; r < rb; r++) {
+                const __m256 pj = _mm256_broadcast_ss(p + r * ldp + j);
+                a0[r] = _mm256_fmadd_ps(pj, v0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(pj, v1, a1[r]);
+            }
+        }
+        for (int r = 0; r < rb; r++) {
+            _mm256_maskstore_ps(o + r * D + d0 + 16 * b, m0, a0[r]);
+            _mm256_maskstore_ps(o + r * D + d0 + 16 * b + 8, m1, a1[r]);
+        }
+    }
 #else
     (void)nv;
     float acc[RB][16 * DB];
