@@ -26,9 +26,9 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   tail moves with the tensor's size and the thread split.
 
 Each element is computed by one thread, so the thread count does not matter;
-``fmaf`` is exactly rounded, so the vector code (AVX-512 intrinsics, or the
-compiler's vectorisation of the portable loops on AVX2) gives the bits of the
-scalar code: the same results on every x86-64 CPU class, except bf16 matmuls
+``fmaf`` is exactly rounded, so the vector code (AVX-512 or AVX2 + FMA
+intrinsics, which repeat the plain C's IEEE operations, or the compiler's
+vectorisation of the portable loops) gives the bits of the scalar code: the same results on every x86-64 CPU class, except bf16 matmuls
 on AMX, whose tile order is the hardware's (fixed, but not the fmaf chain).
 
 Instruction set: AMX (with AVX-512) where the CPU has AMX-BF16 and the kernel

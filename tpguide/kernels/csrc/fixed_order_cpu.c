@@ -27,6 +27,14 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+/* Which intrinsics paths are compiled; -DTPGUIDE_NO_INTRINSICS builds the plain C of every kernel
+ * (the same bits: the intrinsics repeat its IEEE operations, tests/test_kernels_simd_tile.py). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TPGUIDE_NO_INTRINSICS)
+#define USE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TPGUIDE_NO_INTRINSICS)
+#define USE_AVX2 1
+#endif
 
 #define NB 32   /* columns per weight panel */
 #define MR 8    /* rows per register tile */
@@ -61,7 +69,7 @@ static inline void store_elem(void *out, int64_t dtype, int64_t i, float v) {
 
 /* A tile is rows [0, mr) x the NB columns of one packed panel of one unit, accumulated from 0:
  * acc[r][j] = fma chain over k of x[r][k] * w[k * ldw + j]. */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(USE_AVX512)
 #include <immintrin.h>
 /* AVX-512: one zmm lane per output column, the rows' accumulators in registers; the same fma per
  * element as the portable tile below, so the bits do not depend on which one runs. */
@@ -113,6 +121,63 @@ static inline __attribute__((always_inline)) void load_w_bf16(const uint16_t *w,
     }
 DEFINE_TILE(tile_f32, float, load_w_f32)
 DEFINE_TILE(tile_bf16, uint16_t, load_w_bf16)
+#elif defined(USE_AVX2)
+/* AVX2 + FMA (16 ymm registers): the panel in two halves of 16 columns (two ymm), each half in groups
+ * of up to 4 rows, 8 accumulators in registers; k in blocks of KC so that a half panel's block stays
+ * in L1 for the second row group.  An accumulator is stored after one block and reloaded for the
+ * next (exact), and _mm256_fmadd_ps is fmaf in every lane, so every element is the portable tile's
+ * fma chain, k ascending from 0: the same bits.  bf16 weights are widened exactly (shift left 16). */
+#define KC 256
+static inline __attribute__((always_inline)) __m256 load8_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *w) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#define DEFINE_TILE(NAME, WTYPE, LOADW)                                                              \
+    /* acc[r][0..16) += chain over k in [k0, k1) of x[r][k] * w[k][0..16), r < rows (acc from 0 when  \
+     * first), acc's row stride NB. */                                                                \
+    static inline __attribute__((always_inline)) void NAME##_group(const int rows, const float *x,   \
+            int64_t ldx, const WTYPE *w, int64_t ldw, int64_t k0, int64_t k1, float *acc, int first) { \
+        __m256 a0[4], a1[4];                                                                          \
+        for (int r = 0; r < rows; r++) {                                                              \
+            a0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NB);                       \
+            a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NB + 8);                   \
+        }                                                                                             \
+        for (int64_t k = k0; k < k1; k++) {                                                           \
+            const __m256 w0 = LOADW(w + k * ldw), w1 = LOADW(w + k * ldw + 8);                        \
+            for (int r = 0; r < rows; r++) {                                                          \
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                               \
+                a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);                                               \
+                a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);                                               \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < rows; r++) {                                                              \
+            _mm256_storeu_ps(acc + r * NB, a0[r]);                                                    \
+            _mm256_storeu_ps(acc + r * NB + 8, a1[r]);                                                \
+        }                                                                                             \
+    }                                                                                                 \
+    static void NAME(int mr, const float *x, int64_t ldx, const WTYPE *w, int64_t ldw, int64_t K,    \
+                     int nb, float acc_out[MR][NB]) {                                                 \
+        (void)nb; /* all NB columns: the panel is zero past N */                                      \
+        int64_t k0 = 0;                                                                               \
+        do {                                                                                          \
+            const int64_t k1 = K - k0 < KC ? K : k0 + KC;                                             \
+            for (int h = 0; h < NB; h += 16)                                                          \
+                for (int r0 = 0; r0 < mr; r0 += 4) {                                                  \
+                    const float *xr = x + r0 * ldx;                                                   \
+                    float *acc = &acc_out[r0][h];                                                     \
+                    switch (mr - r0 < 4 ? mr - r0 : 4) {                                              \
+                    case 4: NAME##_group(4, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    case 3: NAME##_group(3, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    case 2: NAME##_group(2, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;        \
+                    default: NAME##_group(1, xr, ldx, w + h, ldw, k0, k1, acc, k0 == 0); break;       \
+                    }                                                                                 \
+                }                                                                                     \
+            k0 = k1;                                                                                  \
+        } while (k0 < K);                                                                             \
+    }
+DEFINE_TILE(tile_f32, float, load8_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load8_bf16)
 #else
 /* Portable tile (the compiler vectorises the loop over columns; fmaf is exact either way). */
 #define DEFINE_TILE(NAME, WTYPE, LOADW)                                                              \
@@ -262,7 +327,7 @@ static inline float exp_nonpositive(float x) {
     return x < -87.3f ? 0.0f : p * scale;
 }
 
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
 /* exp_nonpositive on 16 lanes: the same IEEE operations in the same order, so the scalar bits. */
 static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 floor_x = _mm512_set1_ps(-87.3f);
@@ -284,14 +349,38 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
     return _mm512_mask_blend_ps(under, e, _mm512_setzero_ps());
 }
+#elif defined(USE_AVX2)
+/* exp_nonpositive on 8 lanes: the same IEEE operations in the same order, so the scalar bits
+ * (max(-87.3, x) keeps a NaN x, as the scalar select does). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.3f);
+    const __m256 xc = _mm256_max_ps(floor_x, x);
+    const __m256 z = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(z, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(z, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(z), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ));
+}
 #endif
 
 /* sr[j] = exp_nonpositive(sr[j] - m) for j in [lo, hi], 16 lanes at a time where the CPU has AVX-512. */
 static inline void exp_shifted(float *sr, int64_t lo, int64_t hi, float m) {
     int64_t j = lo;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 vm = _mm512_set1_ps(m);
     for (; j + 16 <= hi + 1; j += 16) _mm512_storeu_ps(sr + j, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm)));
+#elif defined(USE_AVX2)
+    const __m256 vm = _mm256_set1_ps(m);
+    for (; j + 8 <= hi + 1; j += 8) _mm256_storeu_ps(sr + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vm)));
 #endif
     for (; j <= hi; j++) sr[j] = exp_nonpositive(sr[j] - m);
 }
@@ -305,7 +394,7 @@ static inline float silu_fixed(float x) {
 
 static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
     int64_t i = lo;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (; i + 16 <= hi; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
@@ -316,6 +405,17 @@ static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
         const __m512 pos_r = _mm512_div_ps(v, den);
         const __m512 neg_r = _mm512_div_ps(_mm512_mul_ps(v, e), den);
         _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(neg, pos_r, neg_r));
+    }
+#elif defined(USE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= hi; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 neg = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+        const __m256 e = exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(zero, v), v, neg)); /* -|x| */
+        const __m256 den = _mm256_add_ps(one, e);
+        const __m256 pos_r = _mm256_div_ps(v, den);
+        const __m256 neg_r = _mm256_div_ps(_mm256_mul_ps(v, e), den);
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(pos_r, neg_r, neg));
     }
 #endif
     for (; i < hi; i++) out[i] = silu_fixed(x[i]);
@@ -358,7 +458,7 @@ int64_t tpguide_attention_scratch_floats(int64_t L, int64_t D) {
 /* s[r][l + 16 b] = fma chain over d of q[r][d] * kt[d * ld + 16 b + l], r < rb, b < kb. */
 static inline __attribute__((always_inline)) void score_block(const float *q, int64_t D, const float *kt, int64_t ld,
                                                               float *s, int64_t lds, int rb, int kb) {
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __m512 acc[RB][KB];
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < kb; b++) acc[r][b] = _mm512_setzero_ps();
@@ -372,6 +472,23 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
     }
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < kb; b++) _mm512_storeu_ps(s + r * lds + b * KEYS, acc[r][b]);
+#elif defined(USE_AVX2)
+    for (int b = 0; b < kb; b++) { /* 16 keys (two ymm) x rb rows at a time: at most 8 accumulators */
+        __m256 a0[RB], a1[RB];
+        for (int r = 0; r < rb; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * ld + b * KEYS), k1 = _mm256_loadu_ps(kt + d * ld + b * KEYS + 8);
+            for (int r = 0; r < rb; r++) {
+                const __m256 qd = _mm256_broadcast_ss(q + r * D + d);
+                a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
+            }
+        }
+        for (int r = 0; r < rb; r++) {
+            _mm256_storeu_ps(s + r * lds + b * KEYS, a0[r]);
+            _mm256_storeu_ps(s + r * lds + b * KEYS + 8, a1[r]);
+        }
+    }
 #else
     float acc[RB][KEY_GROUP];
     for (int r = 0; r < rb; r++)
@@ -388,7 +505,7 @@ static inline __attribute__((always_inline)) void score_block(const float *q, in
 static inline __attribute__((always_inline)) void pv_block(const float *p, int64_t ldp, const float *vf, int64_t D,
                                                            int64_t d0, int64_t dn, int64_t j0, int64_t j1, float *o,
                                                            int rb, int nv) {
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __mmask16 mask[DB];
     for (int b = 0; b < nv; b++) {
         const int64_t left = dn - 16 * b;
@@ -407,6 +524,27 @@ static inline __attribute__((always_inline)) void pv_block(const float *p, int64
     }
     for (int r = 0; r < rb; r++)
         for (int b = 0; b < nv; b++) _mm512_mask_storeu_ps(o + r * D + d0 + 16 * b, mask[b], acc[r][b]);
+#elif defined(USE_AVX2)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int b = 0; b < nv; b++) { /* 16 dims (two ymm, masked past dn) x rb rows at a time */
+        const float *vb = vf + d0 + 16 * b;
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dn - 16 * b)), lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(dn - 16 * b - 8)), lane);
+        __m256 a0[RB], a1[RB];
+        for (int r = 0; r < rb; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t j = j0; j <= j1; j++) {
+            const __m256 v0 = _mm256_maskload_ps(vb + j * D, m0), v1 = _mm256_maskload_ps(vb + j * D + 8, m1);
+            for (int r = 0; r < rb; r++) {
+                const __m256 pj = _mm256_broadcast_ss(p + r * ldp + j);
+                a0[r] = _mm256_fmadd_ps(pj, v0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(pj, v1, a1[r]);
+            }
+        }
+        for (int r = 0; r < rb; r++) {
+            _mm256_maskstore_ps(o + r * D + d0 + 16 * b, m0, a0[r]);
+            _mm256_maskstore_ps(o + r * D + d0 + 16 * b + 8, m1, a1[r]);
+        }
+    }
 #else
     (void)nv;
     float acc[RB][16 * DB];
@@ -472,7 +610,7 @@ static inline float scale_and_max(float *sr, int64_t lo, int64_t hi, float scale
         }
         return m;
     }
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (; j + 16 <= hi + 1; j += 16) {
@@ -494,7 +632,7 @@ static inline float scale_and_max(float *sr, int64_t lo, int64_t hi, float scale
 static inline float lane_sum(const float *p, int64_t c0, int64_t c1) {
     float lane[LANES];
     for (int l = 0; l < LANES; l++) lane[l] = 0.0f;
-#if defined(__AVX512F__)
+#if defined(USE_AVX512)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = c0; j < c1; j += LANES) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
     _mm512_storeu_ps(lane, acc);
