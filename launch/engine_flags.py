@@ -167,4 +167,5 @@ def _bytes(text: str) -> int:
 def _dtype(args: argparse.Namespace) -> torch.dtype:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cuda_auto = args.dtype == "auto" and device == "cuda" and args.model and not str(args.model).endswith(".gguf")
-    return resolve_dtype(args.dtype, device, checkpoint_dtype(args.model) if on_cuda_auto else None)
+    return resolve_dtype(args.dtype, device, checkpoint_dtype(args.model) if on_cuda_auto else None,
+                         fixed_order=args.tp_invariant)

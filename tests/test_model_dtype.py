@@ -17,9 +17,14 @@ def test_explicit_names_are_taken_as_given():
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_on_cpu_follows_the_bf16_capability(monkeypatch, native):
+@pytest.mark.parametrize("avx2", [True, False])
+@pytest.mark.parametrize("fixed_order", [True, False])
+def test_auto_on_cpu_follows_the_bf16_capability_and_the_kernels(monkeypatch, native, avx2, fixed_order):
+    """bf16 with native bf16 matmul; with the fixed-order kernels also on AVX2 + FMA (they widen bf16 exactly)."""
     monkeypatch.setattr(dtype_mod, "cpu_has_native_bf16", lambda: native)
-    assert resolve_dtype("auto", "cpu", torch.float16) is (torch.bfloat16 if native else torch.float32)
+    monkeypatch.setattr(dtype_mod, "cpu_has_avx2_fma", lambda: avx2)
+    want = torch.bfloat16 if native or (fixed_order and avx2) else torch.float32
+    assert resolve_dtype("auto", "cpu", torch.float16, fixed_order=fixed_order) is want
 
 
 def test_auto_on_cuda_is_the_checkpoint_dtype():

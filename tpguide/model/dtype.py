@@ -1,8 +1,15 @@
 """``--dtype auto``: the weight and activation dtype that fits the machine.
 
-* CPU: bfloat16 when the CPU has native bf16 matmul (AVX512_BF16 or AMX),
-  else float32: without it the GEMM converts bf16 to fp32 in software and
-  bf16 is slower than fp32.
+* CPU with the fixed-order kernels (the default, TP-invariant mode): bfloat16
+  when the CPU has AVX2 + FMA or better.  The kernels widen bf16 weights to
+  fp32 exactly and keep the same fma chain, so bf16 only halves the weight
+  traffic: on an AVX2-only AMD EPYC it generated the vLLM fixtures 1.39x
+  (8 requests) and 1.23x (32) faster than fp32 (docs/benchmarks.md,
+  "Which dtype auto picks").  Without AVX2 + FMA (the portable C loops):
+  float32.
+* CPU with plain torch matmuls (``--no-tp-invariant``): bfloat16 only where
+  the CPU has native bf16 matmul (AVX512_BF16 or AMX); without it the GEMM
+  converts bf16 to fp32 in software and bf16 is slower than fp32.
 * CUDA: the checkpoint's dtype (``config.json`` ``dtype`` / ``torch_dtype``),
   float32 if it names none.
 
@@ -49,7 +56,15 @@ def checkpoint_dtype(model_dir: str | Path) -> Optional[torch.dtype]:
     return _CONFIG_DTYPES[str(name)]
 
 
-def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[torch.dtype] = None) -> torch.dtype:
+def cpu_has_avx2_fma() -> bool:
+    """True if this CPU has AVX2 and FMA (the fixed-order kernels' vector tiles, ``/proc/cpuinfo``)."""
+    from tpguide.kernels.fixed_order_cpu import choose_isa, cpu_flags
+
+    return choose_isa(cpu_flags(), None) != "default"
+
+
+def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[torch.dtype] = None,
+                  fixed_order: bool = True) -> torch.dtype:
     """The model dtype for ``--dtype name`` on ``device``.
 
     Parameters
@@ -61,6 +76,9 @@ def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[to
     checkpoint : torch.dtype, optional
         The checkpoint's own dtype (:func:`checkpoint_dtype`); used by
         ``"auto"`` on CUDA.
+    fixed_order : bool
+        The model runs the fixed-order CPU kernels (``tp_invariant``, the
+        default); False: plain torch matmuls.  Used by ``"auto"`` on CPU.
 
     Raises
     ------
@@ -73,4 +91,6 @@ def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[to
         return DTYPES[name]
     if torch.device(device).type == "cuda":
         return checkpoint if checkpoint is not None else torch.float32
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if cpu_has_native_bf16() or (fixed_order and cpu_has_avx2_fma()):
+        return torch.bfloat16
+    return torch.float32
