@@ -5,7 +5,11 @@ every rank builds (non-driver ranks call :meth:`Engine.run_worker`).  The
 every-rank step execution lives in :mod:`tpguide.worker`, the sampling
 mathematics in :mod:`tpguide.sampling`, speculative decoding in
 :mod:`tpguide.speculative`.  This package's names below are the engine API:
-``serving/`` and ``launch/`` import only these.
+``serving/`` and ``launch/`` reach the driver only through :class:`Engine`
+(never ``engine.driver``, ``tests/test_dependency_direction.py``); besides
+these they use the request-line helpers (:mod:`tpguide.engine.request_io`),
+the data-parallel front end (:mod:`tpguide.engine.data_parallel`) and the
+demo requests.
 """
 
 from tpguide.engine.config import EngineConfig, step_capacity

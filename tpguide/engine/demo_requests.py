@@ -1,4 +1,4 @@
-"""The built-in demo of ``launch/generate.py``: one chat request per guide type, plus one unguided."""
+"""The built-in demo of ``launch/generate.py``: one chat request per guide type, plus an unguided and a sampled one."""
 
 PERSON_SCHEMA = {
     "type": "object",

@@ -1,6 +1,6 @@
 """Drafting, a phase of the step (driver): drafts proposed before scheduling, the draft head's after it.
 
-docs/architecture.md §1 and §5.  ``Engine.step`` runs it as values, with no
+docs/architecture.md §1 and §5.  ``Driver.schedule_step`` runs it as values, with no
 callback from inside the scheduler::
 
     drafts    = propose_drafts(spec, guided, scheduler.decoding(), budget)   # slot -> draft tokens

@@ -20,7 +20,8 @@ __all__ = ["build_engine"]
 
 
 def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig) -> Engine:
-    """Load this rank's model shard (and, on the driver, the tokenizer).
+    """Build this rank's :class:`Engine`: its model shard (and draft head), on the driver also the tokenizer,
+    stop ids and reasoning parser.
 
     ``model_dir=None`` selects the embedded default model, a path ending in
     ``.gguf`` that GGUF file (each converted once to safetensors by the driver
