@@ -250,15 +250,16 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
     for token in encode(tokenizer, text):
         assert decoder.accept_token(1, token)
     assert drafter.propose(decoder, 1, 8, _layout_request(1, text, tokenizer)) == drafter.draft_tokens('  "age": ', 8)
-    assert len(xgrammar._layouts) == 4 and len(xgrammar._cache) == guides  # one per json.dumps layout, apart
+    layouts = drafter.layout_compiler(backend)
+    assert len(layouts) == 4 and len(xgrammar._cache) == guides  # one per json.dumps layout, apart from the guides
     drafter.prepare(backend, params)
-    assert len(xgrammar._layouts) == 4  # cached
+    assert len(layouts) == 4  # cached
     for guide in ({"json": SCHEMA, "json_whitespace": "compact"}, {"regex": "[ab]+"}):
         drafter.prepare(backend, StructuredOutputsParams.from_request(guide))
-    assert len(xgrammar._layouts) == 4
-    assert all(xgrammar.cached_layout(params, layout) is not None for layout in ("indent2", "compact"))
+    assert len(layouts) == 4
+    assert all(layouts.cached(params, layout) is not None for layout in ("indent2", "compact"))
     with pytest.raises(ValueError, match="no 'indent9' JSON layout"):
-        xgrammar.compile_layout(params, "indent9")
+        layouts.compile(params, "indent9")
     decoder.add_request(0, StructuredOutputsParams.from_request({"json": SCHEMA, "json_whitespace": "compact"}))
     req = _layout_request(0, "", tokenizer, whitespace="compact")
     assert drafter.propose(decoder, 0, 8, req) == drafter.draft_tokens('{"name":"', 8)  # the guide's own text

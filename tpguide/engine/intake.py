@@ -213,7 +213,8 @@ def _compile_job(backend, drafter, params, timeout_s: float):
     """The worker-thread job of one guide: its admission (checks + compile), then the drafter's JSON layouts.
 
     The layouts are compiled only where the guide itself was quick (a layout
-    compiles faster than its guide, so the four stay far inside the timeout).
+    compiles over a byte vocabulary, faster than its guide, so the four stay
+    far inside the timeout).
     """
     def job():
         start = time.perf_counter()

@@ -25,11 +25,11 @@ Invalid input raises ``ValueError`` carrying xgrammar's message.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import warnings
-from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import xgrammar as xgr
@@ -37,26 +37,14 @@ import xgrammar as xgr
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import (
     DEFAULT_JSON_WHITESPACE,
-    JSON_GUIDE_TYPES,
-    StructuredOutputsParams,
     check_whitespace_mode,
     xgrammar_json_options,
 )
 
-#: JSON layouts (``json.dumps`` styles) the grammar drafter guesses a model writes
-#: (:mod:`tpguide.speculative.grammar_draft`): ``compile_json_schema`` options with no
-#: other whitespace, so the layout's grammar forces every separator and indentation.
-JSON_LAYOUTS = {
-    "indent2": {"indent": 2, "separators": (",", ": ")},
-    "spaced": {"separators": (", ", ": ")},
-    "indent4": {"indent": 4, "separators": (",", ": ")},
-    "compact": {"separators": (",", ":")},
-}
-
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
-def _xgrammar_message(exc: BaseException) -> str:
+def xgrammar_message(exc: BaseException) -> str:
     """xgrammar's error text without the C++ log prefix."""
     return _LOG_PREFIX.sub("", str(exc).strip()).strip()
 
@@ -112,6 +100,23 @@ def make_tokenizer_info(tokenizer: Any, padded_vocab_size: int, stop_token_ids: 
         encoded_vocab, info.vocab_type, vocab_size=padded_vocab_size,
         stop_token_ids=stop_token_ids, add_prefix_space=info.add_prefix_space,
     )
+
+
+def make_grammar_compiler(tokenizer_info: xgr.TokenizerInfo, max_threads: int) -> xgr.GrammarCompiler:
+    """An ``xgr.GrammarCompiler`` without xgrammar's own cache, building token masks on first use where it can.
+
+    xgrammar 0.2.6+ (``enable_dynamic_compilation``) builds a state's token
+    mask when a matcher first reaches it, instead of every state's at compile
+    time: the same masks (xgrammar's documented equivalence; checked in
+    ``tests/test_xgrammar_dynamic.py``), but a JSONSchemaBench schema compiles
+    in a few ms instead of about 0.3 s (docs/architecture.md §5).  Older
+    xgrammar compiles eagerly.  Our LRU caches compiled grammars, so
+    xgrammar's own cache would duplicate it.
+    """
+    options = {"max_threads": max_threads, "cache_enabled": False}
+    if "enable_dynamic_compilation" in inspect.signature(xgr.GrammarCompiler.__init__).parameters:
+        options["enable_dynamic_compilation"] = True
+    return xgr.GrammarCompiler(tokenizer_info, **options)
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -186,11 +191,7 @@ class XGrammarBackend(GuidedBackend):
         super().__init__(padded_vocab_size, stop_token_ids, cache_size)
         self.json_whitespace = check_whitespace_mode(json_whitespace)
         self.tokenizer_info = make_tokenizer_info(tokenizer, padded_vocab_size, self.stop_token_ids)
-        self._layouts: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()  # compile_layout's LRU cache
-        # Our LRU caches compiled grammars; xgrammar's own cache would duplicate it.
-        self.compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=max_threads, cache_enabled=False
-        )
+        self.compiler = make_grammar_compiler(self.tokenizer_info, max_threads)
 
     def _compile(self, guide_type: str, guide_text: str, json_whitespace: str = "") -> xgr.CompiledGrammar:
         try:
@@ -207,45 +208,8 @@ class XGrammarBackend(GuidedBackend):
             return self._compile_structural_tag(guide_text)
         except Exception as exc:  # xgrammar raises RuntimeError; pydantic ValueError
             raise ValueError(
-                f"xgrammar cannot compile this {guide_type}: {_xgrammar_message(exc)}"
+                f"xgrammar cannot compile this {guide_type}: {xgrammar_message(exc)}"
             ) from exc
-
-    def compile_layout(self, params: StructuredOutputsParams, layout: str) -> xgr.CompiledGrammar:
-        """``params``'s JSON guide compiled for one :data:`JSON_LAYOUTS` layout, from the LRU cache when seen.
-
-        For drafting only: a layout's grammar allows one spelling of each
-        value's whitespace, so it forces the text a model writing that layout
-        will write (docs/architecture.md §5 "Grammar drafts").  The drafts it
-        gives are checked by the request's own matcher.
-
-        Raises
-        ------
-        ValueError
-            ``params`` is not a JSON guide, ``layout`` is not in
-            :data:`JSON_LAYOUTS`, or xgrammar cannot compile it.
-        """
-        if params.guide_type not in JSON_GUIDE_TYPES or layout not in JSON_LAYOUTS:
-            raise ValueError(f"no {layout!r} JSON layout for a {params.guide_type} guide "
-                             f"(layouts: {list(JSON_LAYOUTS)}, JSON guide types: {list(JSON_GUIDE_TYPES)})")
-        key = (layout,) + params.cache_key(self.json_whitespace)
-        cached = self._lookup(key, self._layouts)
-        if cached is not None:
-            return cached
-        try:
-            compiled = self.compiler.compile_json_schema(params.guide_text, any_whitespace=False,
-                                                         **JSON_LAYOUTS[layout])
-        except Exception as exc:  # xgrammar raises RuntimeError
-            raise ValueError(f"xgrammar cannot compile the {layout} layout: {_xgrammar_message(exc)}") from exc
-        self._remember(key, compiled, self._layouts, len(JSON_LAYOUTS) * self.cache_size)
-        return compiled
-
-    def cached_layout(self, params: StructuredOutputsParams, layout: str) -> Optional[xgr.CompiledGrammar]:
-        """:meth:`compile_layout`'s result if it is cached (never compiles: the driver's step calls this), else None.
-
-        Layouts have their own LRU cache (``len(JSON_LAYOUTS) * cache_size``
-        entries), so they never evict a guide.
-        """
-        return self._lookup((layout,) + params.cache_key(self.json_whitespace), self._layouts)
 
     def _compile_structural_tag(self, guide_text: str) -> xgr.CompiledGrammar:
         tag = json.loads(guide_text)

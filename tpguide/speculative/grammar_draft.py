@@ -27,14 +27,15 @@ little: after ``{`` a newline, a space and ``"`` are all allowed, so nothing
 is forced until the property name.  But a model keeps one layout: the
 embedded SmolLM2 writes ``json.dumps(indent=2)``.  So each JSON guide is also
 compiled for the common ``json.dumps`` layouts
-(:data:`~tpguide.guided.xgrammar_backend.JSON_LAYOUTS`: indent 2, ``", "`` /
+(:data:`~tpguide.guided.json_layouts.JSON_LAYOUTS`: indent 2, ``", "`` /
 ``": "`` on one line, indent 4, compact), whose grammars force every
 separator and indentation.  One matcher per layout follows the request's
 output tokens and drops out at the first token its layout does not allow; the
 first layout still in the race supplies the text to draft.  A wrong guess
 costs verify rows only: the request's own matcher checks every draft, and
-the target model verifies them.  The layouts are compiled by xgrammar in the
-compile thread right after the guide's admission
+the target model verifies them.  The layouts are compiled by xgrammar over a
+byte vocabulary (:mod:`tpguide.guided.json_layouts`: no token-mask cache, about
+20x cheaper than a guide) in the compile thread right after the guide's admission
 (:meth:`GrammarDrafter.prepare`), whichever backend runs the guide; a step
 only looks them up (a layout evicted or not compiled is not in the race).
 
@@ -53,10 +54,11 @@ import threading
 from typing import List, Optional, Tuple
 
 from tpguide.guided.bitmask import allocate_token_bitmask, single_allowed_token
-from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.json_layouts import JSON_LAYOUTS, LayoutCompiler, LayoutMatcher
+from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import JSON_GUIDE_TYPES, StructuredOutputsParams
 from tpguide.guided.slot_record import SlotRecord
-from tpguide.guided.xgrammar_backend import JSON_LAYOUTS, XGrammarBackend
+from tpguide.guided.xgrammar_backend import XGrammarBackend, make_tokenizer_info
 
 
 def strict_prefix_token_ids(tokenizer) -> frozenset:
@@ -104,30 +106,29 @@ class GrammarDrafter:
         self._scratch = allocate_token_bitmask(1, padded_vocab_size)
         self._tokens_of = functools.lru_cache(maxsize=cache_size)(self._encode)
         self._strict_prefix_ids = None  # built on first use (a pass over the vocabulary)
-        self._own_layout_backend: Optional[XGrammarBackend] = None
+        self._layout_compiler: Optional[LayoutCompiler] = None
         self._lock = threading.Lock()
 
-    def layout_backend(self, backend: GuidedBackend) -> Optional[XGrammarBackend]:
-        """The xgrammar backend that compiles layouts: ``backend`` itself, ``auto``'s xgrammar, else one of its own.
+    def layout_compiler(self, backend: GuidedBackend) -> Optional[LayoutCompiler]:
+        """The drafter's layout compiler (built once), over ``backend``'s xgrammar token table.
 
-        The drafter's own (built once, for ``--guided-backend llguidance``)
-        shares ``backend``'s vocabulary width, stop ids and whitespace
-        default; None if xgrammar cannot read the tokenizer.
+        The token bytes come from ``backend``'s xgrammar tokenizer info
+        (``backend`` itself or ``auto``'s xgrammar); for ``--guided-backend
+        llguidance`` one is built here.  None if xgrammar cannot read the
+        tokenizer (then forced text still drafts, without layouts).
         """
-        if isinstance(backend, XGrammarBackend):
-            return backend
-        found = getattr(backend, "backends", {}).get("xgrammar")  # AutoBackend
-        if isinstance(found, XGrammarBackend):
-            return found
         with self._lock:
-            if self._own_layout_backend is None:
+            if self._layout_compiler is None:
+                found = backend if isinstance(backend, XGrammarBackend) else \
+                    getattr(backend, "backends", {}).get("xgrammar")  # AutoBackend
                 try:
-                    self._own_layout_backend = XGrammarBackend(
-                        self.tokenizer, backend.padded_vocab_size, backend.stop_token_ids,
-                        json_whitespace=backend.json_whitespace)
+                    info = found.tokenizer_info if isinstance(found, XGrammarBackend) else \
+                        make_tokenizer_info(self.tokenizer, backend.padded_vocab_size, backend.stop_token_ids)
+                    self._layout_compiler = LayoutCompiler(info.decoded_vocab, backend.json_whitespace,
+                                                           capacity=len(JSON_LAYOUTS) * backend.cache_size)
                 except Exception:  # noqa: BLE001 - no layouts then; forced text still drafts
                     return None
-            return self._own_layout_backend
+            return self._layout_compiler
 
     def prepare(self, backend: GuidedBackend, params: StructuredOutputsParams) -> None:
         """Compile ``params``'s layouts into the layout cache (the compile thread, after admission); never raises.
@@ -137,23 +138,23 @@ class GrammarDrafter:
         """
         if not drafts_layouts(params, backend.json_whitespace):
             return
-        source = self.layout_backend(backend)
-        for layout in JSON_LAYOUTS if source is not None else ():
+        compiler = self.layout_compiler(backend)
+        for layout in JSON_LAYOUTS if compiler is not None else ():
             try:
-                source.compile_layout(params, layout)
+                compiler.compile(params, layout)
             except ValueError:
                 continue
 
-    def _layout_matchers(self, backend: GuidedBackend, record: SlotRecord, req) -> List[GrammarMatcher]:
+    def _layout_matchers(self, backend: GuidedBackend, record: SlotRecord, req) -> List[LayoutMatcher]:
         """``req``'s layout matchers (its slot ``record``), advanced by its output tokens; those a token ruled out dropped."""
         if record.layouts is None:
             record.layouts = []
             params = req.structured_output
-            source = self.layout_backend(backend) if drafts_layouts(params, backend.json_whitespace) else None
-            for layout in JSON_LAYOUTS if source is not None else ():
-                compiled = source.cached_layout(params, layout)
+            compiler = self.layout_compiler(backend) if drafts_layouts(params, backend.json_whitespace) else None
+            for layout in JSON_LAYOUTS if compiler is not None else ():
+                compiled = compiler.cached(params, layout)
                 if compiled is not None:
-                    record.layouts.append(source.matcher(compiled))
+                    record.layouts.append(compiler.matcher(compiled))
         start = record.answer_start  # the answer's tokens only (docs/reasoning.md)
         tokens = req.output_token_ids[start:] if start is not None else []
         for token in tokens[record.num_layout_tokens:]:
