@@ -447,6 +447,47 @@ static void silu_array(const float *x, float *out, int64_t lo, int64_t hi) {
 #define DB 4         /* head-dim vectors (of 16) per P V block */
 #define KEY_GROUP (KB * KEYS)
 
+static const float ZERO_ROW[MAX_HEAD_DIM]; /* a padding key: zeros */
+
+/* kt[d * ld + l] = rows[l][d] for the KEYS rows and d < D: pure data movement (the same bits on every
+ * path).  AVX2: 8 x 8 blocks by unpack / shuffle / lane permute; the rest element by element. */
+static inline void transpose_keys(const float *const rows[KEYS], int64_t D, float *kt, int64_t ld) {
+    int64_t d0 = 0;
+#ifdef USE_AVX2
+    for (; d0 + 8 <= D; d0 += 8)
+        for (int h = 0; h < KEYS; h += 8) {
+            const float *const *r = rows + h;
+            const __m256 t0 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[0] + d0), _mm256_loadu_ps(r[1] + d0));
+            const __m256 t1 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[0] + d0), _mm256_loadu_ps(r[1] + d0));
+            const __m256 t2 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[2] + d0), _mm256_loadu_ps(r[3] + d0));
+            const __m256 t3 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[2] + d0), _mm256_loadu_ps(r[3] + d0));
+            const __m256 t4 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[4] + d0), _mm256_loadu_ps(r[5] + d0));
+            const __m256 t5 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[4] + d0), _mm256_loadu_ps(r[5] + d0));
+            const __m256 t6 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[6] + d0), _mm256_loadu_ps(r[7] + d0));
+            const __m256 t7 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[6] + d0), _mm256_loadu_ps(r[7] + d0));
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+            float *o = kt + d0 * ld + h;
+            _mm256_storeu_ps(o + 0 * ld, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 1 * ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+#endif
+    for (; d0 < D; d0++)
+        for (int l = 0; l < KEYS; l++) kt[d0 * ld + l] = rows[l][d0];
+}
+
 /* Widened keys per item: from a 16-aligned first key, rounded up to whole score blocks. */
 static int64_t padded_keys(int64_t L) { return (L + KEYS - 1 + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP; }
 
@@ -697,20 +738,26 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
             jlo -= jlo % KEYS;
             const int64_t jn = jhi - jlo + 1, jnp = (jn + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
             float block[KEYS][MAX_HEAD_DIM];
+            const float *krow[KEYS]; /* each key's fp32 row: the cache row itself (fp32) or widened */
             for (int64_t j0 = 0; j0 < jnp; j0 += KEYS) { /* keys widened 16 at a time, then transposed */
                 for (int l = 0; l < KEYS; l++) {
                     const int64_t j = j0 + l, pos = jlo + j;
                     if (j < jn) {
                         const int64_t row = table[pos / block_size] * block_size + pos % block_size;
-                        load_row((const char *)k_cache + row * jstride + kvh * D * esize, dtype, D, block[l]);
+                        const char *ksrc = (const char *)k_cache + row * jstride + kvh * D * esize;
+                        if (dtype == 0) {
+                            krow[l] = (const float *)ksrc;
+                        } else {
+                            load_row(ksrc, dtype, D, block[l]);
+                            krow[l] = block[l];
+                        }
                         load_row((const char *)v_cache + row * jstride + kvh * D * esize, dtype, D, vf + j * D);
                     } else {
-                        for (int64_t d = 0; d < D; d++) block[l][d] = 0.0f;
+                        krow[l] = ZERO_ROW;
                         for (int64_t d = 0; d < D; d++) vf[j * D + d] = 0.0f;
                     }
                 }
-                for (int64_t d = 0; d < D; d++)
-                    for (int l = 0; l < KEYS; l++) kt[d * jnp + j0 + l] = block[l][d];
+                transpose_keys(krow, D, kt + j0, jnp);
             }
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t t = t0 + r / group, h = kvh * group + r % group;
