@@ -83,8 +83,11 @@ def _one_openmp_thread() -> None:
 
 
 def _prepare_guided(driver: Driver) -> None:
-    """Start-up work of the guided path, off the first request: the backend's tables and the schema validator."""
-    driver.guided_decoder()
+    """Start-up work of the guided path, off the first request: the backend's tables, the grammar
+    drafter's tables and the schema validator."""
+    decoder = driver.guided_decoder()
+    if driver.spec is not None and driver.spec.grammar_drafter is not None:
+        driver.spec.grammar_drafter.warm_up(decoder.backend)
     import_jsonschema()
 
 

@@ -93,6 +93,19 @@ def packed_weight(owner: object, weight: torch.Tensor, num_units: int = 1) -> Pa
     return cached
 
 
+def prepack_weights(module: torch.nn.Module) -> None:
+    """Pack every weight ``module`` and its children will hand the fixed-order CPU linear, now.
+
+    Start-up work, so that a process's first request does not pack the whole
+    model in its first forward (each layer's ``prepack`` knows its own path;
+    nothing is packed on CUDA or without the TP-invariant mode).
+    """
+    for m in module.modules():
+        prepack = getattr(m, "prepack", None)
+        if callable(prepack):
+            prepack()
+
+
 def drop_packed_weights(module: torch.nn.Module) -> None:
     """Forget the packed weights of ``module`` and its children (after their weights were loaded)."""
     for m in module.modules():

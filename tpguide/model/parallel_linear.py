@@ -28,8 +28,15 @@ from torch import nn
 
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.config import pad_heads
-from tpguide.model.invariant_reduce import invariant_linear, sum_units, unit_partials, units_sum_local
+from tpguide.model.invariant_reduce import (
+    invariant_linear,
+    packed_weight,
+    sum_units,
+    unit_partials,
+    units_sum_local,
+)
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
 
@@ -82,6 +89,11 @@ class ColumnParallelLinear(nn.Module):
     #: (:func:`~tpguide.model.invariant_reduce.invariant_linear`), so a column's
     #: value does not depend on the shard width, the other rows or the threads.
     fixed_order: bool = False
+
+    def prepack(self) -> None:
+        """Pack the weight for the fixed-order CPU kernel now (start-up), not in the first request's forward."""
+        if self.fixed_order and not use_triton(self.weight):
+            packed_weight(self, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size] -> [T, output_size_per_partition]``."""
@@ -246,6 +258,11 @@ class RowParallelLinear(nn.Module):
         """Copy columns ``[tp_rank * I/T, (tp_rank + 1) * I/T)`` of the full ``[O, org_input_size]`` tensor."""
         check_shape(loaded, (self.output_size, self.org_input_size))
         copy_clipped_(param.data, loaded, 1, self.group.tp_rank * self.input_size_per_partition)
+
+    def prepack(self) -> None:
+        """Pack the weight's units for the fixed-order CPU kernel now (start-up), not in the first forward."""
+        if self.reduction_unit is not None and not use_triton(self.weight):
+            packed_weight(self, self.weight, self.num_local_units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``)."""

@@ -29,7 +29,8 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
-from tpguide.model.invariant_reduce import invariant_linear
+from tpguide.kernels.triton_path import use_triton
+from tpguide.model.invariant_reduce import invariant_linear, packed_weight
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_
 
@@ -140,6 +141,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead has no forward; call compute_logits")
+
+    def prepack(self) -> None:
+        """Pack the weight for the fixed-order CPU kernel now (start-up), not in the first request's forward."""
+        if self.fixed_order and not use_triton(self.weight):
+            packed_weight(self, self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's logits shard.

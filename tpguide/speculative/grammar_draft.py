@@ -130,6 +130,13 @@ class GrammarDrafter:
                     return None
             return self._layout_compiler
 
+    def warm_up(self, backend: GuidedBackend) -> None:
+        """Start-up work, off the first request (the engine's grammar-tables thread): the layout compiler
+        and the strict-prefix token ids (a pass over the vocabulary)."""
+        self.layout_compiler(backend)
+        if self._strict_prefix_ids is None:
+            self._strict_prefix_ids = strict_prefix_token_ids(self.tokenizer)
+
     def prepare(self, backend: GuidedBackend, params: StructuredOutputsParams) -> None:
         """Compile ``params``'s layouts into the layout cache (the compile thread, after admission); never raises.
 
