@@ -57,6 +57,7 @@ from tpguide.engine.driver import Driver
 from tpguide.engine.kv_pool_size import kv_pool_num_blocks, report_kv_pool
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.guided.schema_check import import_jsonschema
+from tpguide.model.invariant_reduce import prepack_weights
 from tpguide.speculative.draft_loop import HeadDrafting
 from tpguide.worker.protocol import Message
 from tpguide.worker.runner import StepRunner
@@ -136,6 +137,7 @@ class Engine:
             grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
             building = grammar_tables.submit(_prepare_guided, self.driver)
         model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
+        prepack_weights(model)  # the fixed-order kernels' packed weights: start-up work, not the first request's
         if group.is_driver:
             report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
                            getattr(group, "rank", 0))

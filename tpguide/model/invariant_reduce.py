@@ -96,14 +96,21 @@ def packed_weight(owner: object, weight: torch.Tensor, num_units: int = 1) -> Pa
 def prepack_weights(module: torch.nn.Module) -> None:
     """Pack every weight ``module`` and its children will hand the fixed-order CPU linear, now.
 
-    Start-up work, so that a process's first request does not pack the whole
-    model in its first forward (each layer's ``prepack`` knows its own path;
-    nothing is packed on CUDA or without the TP-invariant mode).
+    Start-up work (the engine calls it), so that a process's first request
+    does not pack the whole model in its first forward (each layer's
+    ``prepack`` knows its own path; nothing is packed off the CPU or without
+    the TP-invariant mode).  The packed copies live beside the weights, as
+    they would after the first forward.
     """
     for m in module.modules():
         prepack = getattr(m, "prepack", None)
         if callable(prepack):
             prepack()
+
+
+def packs_on_cpu(weight: torch.Tensor) -> bool:
+    """Whether the fixed-order linear would pack ``weight``: it lives on the CPU and the CUDA path is not forced."""
+    return weight.device.type == "cpu" and not use_triton(weight)
 
 
 def drop_packed_weights(module: torch.nn.Module) -> None:

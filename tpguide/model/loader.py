@@ -28,7 +28,7 @@ from tpguide.dist import TPGroup
 from tpguide.model.config import ModelConfig
 from tpguide.model.gemma2 import Gemma2ForCausalLM
 from tpguide.model.gemma3 import Gemma3ForCausalLM, text_weight_name
-from tpguide.model.invariant_reduce import drop_packed_weights, prepack_weights
+from tpguide.model.invariant_reduce import drop_packed_weights
 from tpguide.model.llama import LlamaForCausalLM
 from tpguide.model.phi3 import Phi3ForCausalLM, fused_parts
 from tpguide.model.qwen3 import Qwen3ForCausalLM
@@ -131,8 +131,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks {len(missing)} tensors: {shown}")
-    drop_packed_weights(model)  # the fixed-order kernels repack from the loaded weights,
-    prepack_weights(model)  # now: start-up work, not the first request's
+    drop_packed_weights(model)  # the fixed-order kernels repack from the loaded weights
 
 
 def load_model(model_dir: str | Path, group: TPGroup, dtype: torch.dtype = torch.float32,

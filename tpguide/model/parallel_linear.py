@@ -28,11 +28,11 @@ from torch import nn
 
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
-from tpguide.kernels.triton_path import use_triton
 from tpguide.model.config import pad_heads
 from tpguide.model.invariant_reduce import (
     invariant_linear,
     packed_weight,
+    packs_on_cpu,
     sum_units,
     unit_partials,
     units_sum_local,
@@ -92,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
 
     def prepack(self) -> None:
         """Pack the weight for the fixed-order CPU kernel now (start-up), not in the first request's forward."""
-        if self.fixed_order and not use_triton(self.weight):
+        if self.fixed_order and packs_on_cpu(self.weight):
             packed_weight(self, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +261,7 @@ class RowParallelLinear(nn.Module):
 
     def prepack(self) -> None:
         """Pack the weight's units for the fixed-order CPU kernel now (start-up), not in the first forward."""
-        if self.reduction_unit is not None and not use_triton(self.weight):
+        if self.reduction_unit is not None and packs_on_cpu(self.weight):
             packed_weight(self, self.weight, self.num_local_units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

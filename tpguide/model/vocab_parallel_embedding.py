@@ -29,8 +29,7 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
-from tpguide.kernels.triton_path import use_triton
-from tpguide.model.invariant_reduce import invariant_linear, packed_weight
+from tpguide.model.invariant_reduce import invariant_linear, packed_weight, packs_on_cpu
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_
 
@@ -144,7 +143,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def prepack(self) -> None:
         """Pack the weight for the fixed-order CPU kernel now (start-up), not in the first request's forward."""
-        if self.fixed_order and not use_triton(self.weight):
+        if self.fixed_order and packs_on_cpu(self.weight):
             packed_weight(self, self.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
