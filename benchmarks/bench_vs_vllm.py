@@ -229,6 +229,11 @@ def main(argv=None) -> int:
     model_dir = str(args.model or default_model_dir())
     dtype = resolve_dtype(args.dtype, "cpu", torch.float32)
     data = Path(args.data)
+    if not (data / "vllm_fixtures.jsonl").is_file():
+        print(f"bench data {str(data)!r} lacks vllm_fixtures.jsonl: pass --data DIR, the folder of the request lines "
+              f"(vllm_fixtures.jsonl, optionally jsonschemabench_requests.jsonl; kept outside the repository, "
+              f"by default in ../shared/bench-data beside the checkout)", file=sys.stderr)
+        return 2
     workloads = {"fixtures": admitted_json_lines(data / "vllm_fixtures.jsonl", model_dir)}
     if (data / "jsonschemabench_requests.jsonl").is_file():
         workloads["jsonschemabench"] = admitted_json_lines(data / "jsonschemabench_requests.jsonl", model_dir)
