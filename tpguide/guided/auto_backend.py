@@ -88,7 +88,7 @@ class AutoBackend(GuidedBackend):
             No backend can guarantee ``params``; the message gives each backend's reason.
         """
         key = self.cache_key(params)  # the key is_cached() looks up
-        cached = self._lookup(key)
+        cached = self._cache.get(key)
         if cached is not None:
             return cached
         reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
@@ -99,7 +99,7 @@ class AutoBackend(GuidedBackend):
                 reasons.append(f"{name}: {exc}")
                 continue
             result = AutoCompiled(name, backend, compiled)
-            self._remember(key, result)
+            self._cache.put(key, result)
             return result
         raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
 

@@ -17,12 +17,11 @@ token itself, so the drafts are the same.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import xgrammar as xgr
 
+from tpguide.guided.lru import LRUCache
 from tpguide.guided.params import JSON_GUIDE_TYPES, StructuredOutputsParams
 from tpguide.guided.xgrammar_backend import make_grammar_compiler, xgrammar_message
 
@@ -93,9 +92,7 @@ class LayoutCompiler:
         self._compiler = make_grammar_compiler(info, max_threads)
         self.token_bytes = token_bytes
         self.json_whitespace = json_whitespace
-        self.capacity = capacity
-        self._cache: "OrderedDict[tuple, xgr.CompiledGrammar]" = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache = LRUCache(capacity)
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -123,20 +120,12 @@ class LayoutCompiler:
                                                           **JSON_LAYOUTS[layout])
         except Exception as exc:  # xgrammar raises RuntimeError
             raise ValueError(f"xgrammar cannot compile the {layout} layout: {xgrammar_message(exc)}") from exc
-        with self._lock:
-            self._cache[self._key(params, layout)] = compiled
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
+        self._cache.put(self._key(params, layout), compiled)
         return compiled
 
     def cached(self, params: StructuredOutputsParams, layout: str) -> Optional[xgr.CompiledGrammar]:
         """:meth:`compile`'s result if cached (never compiles: a step calls this), else None."""
-        key = self._key(params, layout)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        return None
+        return self._cache.get(self._key(params, layout))
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> LayoutMatcher:
         return LayoutMatcher(compiled, self.token_bytes)

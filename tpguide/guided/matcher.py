@@ -25,13 +25,12 @@ model, and the ids the tokenizer can produce).
 from __future__ import annotations
 
 import abc
-import threading
-from collections import OrderedDict
-from typing import Any, Hashable, Optional
+from typing import Any
 
 import torch
 
 from tpguide.guided.bitmask import token_ids_to_bitmask_row
+from tpguide.guided.lru import LRUCache
 from tpguide.guided.params import DEFAULT_JSON_WHITESPACE, JSON_GUIDE_TYPES, StructuredOutputsParams
 
 
@@ -130,8 +129,7 @@ class GuidedBackend(abc.ABC):
         #: int32 ``[bitmask_size]`` allowing only the stop tokens (rows of terminated matchers).
         self.stop_bitmask_row = token_ids_to_bitmask_row(self.stop_token_ids, padded_vocab_size)
         self.cache_size = cache_size
-        self._cache: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache = LRUCache(cache_size)
 
     def cache_key(self, params: StructuredOutputsParams) -> tuple:
         """The key of ``params`` in this backend's cache (docs/architecture.md §5).
@@ -155,7 +153,7 @@ class GuidedBackend(abc.ABC):
             not support (the message says which backend does).
         """
         key = self.cache_key(params)
-        cached = self._lookup(key)
+        cached = self._cache.get(key)
         if cached is not None:
             return cached
         if params.guide_type not in self.supported_guide_types:
@@ -168,34 +166,12 @@ class GuidedBackend(abc.ABC):
                                      json_whitespace=params.json_whitespace_or(self.json_whitespace))
         else:
             compiled = self._compile(params.guide_type, params.guide_text)
-        self._remember(key, compiled)
+        self._cache.put(key, compiled)
         return compiled
-
-    def _lookup(self, key: Hashable, cache: Optional[OrderedDict] = None) -> Any:
-        """The entry of ``key`` in ``cache`` (default: the guide cache), made the most recent; None if absent."""
-        cache = self._cache if cache is None else cache
-        with self._lock:
-            if key in cache:
-                cache.move_to_end(key)
-                return cache[key]
-        return None
-
-    def _remember(self, key: Hashable, value: Any, cache: Optional[OrderedDict] = None,
-                  capacity: Optional[int] = None) -> None:
-        """Put ``value`` in ``cache`` (default: the guide cache, ``cache_size`` entries) under ``key`` (most
-        recent), evicting the least recently used beyond ``capacity``."""
-        cache = self._cache if cache is None else cache
-        capacity = self.cache_size if capacity is None else capacity
-        with self._lock:
-            cache[key] = value
-            cache.move_to_end(key)
-            while len(cache) > capacity:
-                cache.popitem(last=False)
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         """True if ``params`` is compiled in the cache (a :meth:`compile` now would be a hit)."""
-        with self._lock:
-            return self.cache_key(params) in self._cache
+        return self.cache_key(params) in self._cache
 
     @abc.abstractmethod
     def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:

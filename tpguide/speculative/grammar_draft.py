@@ -134,8 +134,13 @@ class GrammarDrafter:
         """Start-up work, off the first request (the engine's grammar-tables thread): the layout compiler
         and the strict-prefix token ids (a pass over the vocabulary)."""
         self.layout_compiler(backend)
+        self._strict_prefixes()
+
+    def _strict_prefixes(self) -> frozenset:
+        """:func:`strict_prefix_token_ids` of the tokenizer, built once (a pass over the vocabulary)."""
         if self._strict_prefix_ids is None:
             self._strict_prefix_ids = strict_prefix_token_ids(self.tokenizer)
+        return self._strict_prefix_ids
 
     def prepare(self, backend: GuidedBackend, params: StructuredOutputsParams) -> None:
         """Compile ``params``'s layouts into the layout cache (the compile thread, after admission); never raises.
@@ -177,9 +182,7 @@ class GrammarDrafter:
         tokens = list(self._tokens_of(text)) if text else []
         if len(tokens) > k:
             return tokens[:k]
-        if self._strict_prefix_ids is None:
-            self._strict_prefix_ids = strict_prefix_token_ids(self.tokenizer)
-        if tokens and tokens[-1] in self._strict_prefix_ids:
+        if tokens and tokens[-1] in self._strict_prefixes():
             tokens.pop()
         return tokens
 
