@@ -20,32 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_plans import step_plan
 from triton_interpreted import check_in_child, run_cases
 
 pytest.importorskip("triton")
 
 VOCAB, BLOCK_SIZE = 300, 8
-
-
-def _plan(seqs, guided, step):
-    """A StepPlan of ``seqs`` = [(block table, context_len, new ids, sample rows)]: rows are each sequence's last."""
-    from tpguide.sampling.sampler import SamplingMetadata
-    from tpguide.worker.protocol import StepPlan
-
-    ids = [i for _, _, toks, _ in seqs for i in toks]
-    selected, positions, offset = [], [], 0
-    for _, ctx, toks, rows in seqs:
-        offset += len(toks)
-        selected += list(range(offset - rows, offset))
-        positions += [ctx + len(toks) - rows + j + 1 for j in range(rows)]
-    n = len(selected)
-    sampling = SamplingMetadata(temperature=torch.tensor([0.0, 0.8] * n)[:n], top_k=torch.zeros(n, dtype=torch.int32),
-                                top_p=torch.ones(n), seeds=torch.arange(n, dtype=torch.int64) + 11 * step,
-                                sample_positions=torch.tensor(positions), num_logprobs=2)
-    return StepPlan(input_ids=torch.tensor(ids), block_tables=[t for t, _, _, _ in seqs],
-                    query_lens=[len(t) for _, _, t, _ in seqs], context_lens=[c for _, c, _, _ in seqs],
-                    selected_token_indices=torch.tensor(selected, dtype=torch.int32), sampling=sampling,
-                    guided=guided)
 
 
 def _bitmask(num_rows, bitmask_size, seed):
@@ -89,7 +69,7 @@ def case_padded_equals_unpadded(device):
     forced = forced_triton_path() if device == "cpu" else contextlib.nullcontext()
     with forced:
         for i, seqs in enumerate(steps):
-            plan = _plan(seqs, guided=i % 2 == 1, step=i)
+            plan = step_plan(seqs, guided=i % 2 == 1, step=i)
             source = _bitmask(plan.selected_token_indices.numel(), model.vocab_shard.bitmask_size, i)
             want = eager.execute(plan, source if plan.guided else None)
             got = padded.execute(plan, source if plan.guided else None)  # rewrites the same KV bits
