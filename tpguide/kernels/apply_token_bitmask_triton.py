@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tpguide.kernels.bitmask_layout import BITS_PER_WORD
+from tpguide.kernels.triton_path import compiles_for_cuda
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def apply_token_bitmask_inplace_triton(
     ValueError
         CPU tensors without ``TRITON_INTERPRET=1``, or a bad ``block_size``.
     """
-    if logits.device.type == "cpu" and not _is_interpreted():
+    if logits.device.type == "cpu" and not (_is_interpreted() or compiles_for_cuda(logits)):
         raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1), got cpu tensors")
     if block_size < BITS_PER_WORD or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= {BITS_PER_WORD}, got {block_size}")

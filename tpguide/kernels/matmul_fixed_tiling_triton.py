@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpguide.kernels.triton_path import compiles_for_cuda
+
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
 
@@ -102,7 +104,7 @@ def bmm_fixed_tiling(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     grid = (batch, triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _bmm_fixed_tiling_kernel[grid](
         a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
-        IEEE=a.dtype == torch.float32, ON_CUDA=a.device.type == "cuda", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a.dtype == torch.float32, ON_CUDA=compiles_for_cuda(a), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return c
 

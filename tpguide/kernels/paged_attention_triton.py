@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tpguide.kernels.triton_cast import cast_rne
+from tpguide.kernels.triton_path import compiles_for_cuda
 
 #: Keys per chunk of the fixed order (the "KV split size").
 BLOCK_N = 32
@@ -193,7 +194,7 @@ def paged_attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    on_cuda = q.device.type == "cuda"
+    on_cuda = compiles_for_cuda(q)
     min_dim = 16 if on_cuda else 1  # tl.dot needs every dimension >= 16
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, token_seq_index, token_positions,
