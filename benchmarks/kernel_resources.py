@@ -13,11 +13,12 @@ and fp64).
 Every launch is compiled for ``sm_<arch>`` and skipped.
 
 It prints one line per distinct compiled kernel: registers per thread,
-local memory (spills), shared memory per block, grid, and the constexprs
-that tell variants apart; then a status line.  Exit status 1 when a kernel
-fails to compile or uses more shared memory than the arch allows
-(:data:`tpguide.kernels.compile_only.SHARED_MEMORY_LIMIT`); spills are
-reported, not failed.
+local memory (spills), shared memory per block, tensor-core instructions,
+and the constexprs that tell variants apart; then a status line.  Exit
+status 1 when a kernel fails to compile, uses more shared memory than the
+arch allows (:data:`tpguide.kernels.compile_only.SHARED_MEMORY_LIMIT`), has
+an atomic instruction (whose order would depend on scheduling), or takes
+TF32 operands in IEEE mode; spills are reported, not failed.
 
 Usage::
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         p.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     limit = SHARED_MEMORY_LIMIT.get(args.arch)
     failed, seen = [], set()
-    print(f"{'family':14s} {'kernel':32s} {'regs':>4s} {'spill B':>7s} {'shared B':>8s}  constexprs")
+    print(f"{'family':14s} {'kernel':32s} {'regs':>4s} {'spill B':>7s} {'shared B':>8s} {'mma':>4s}  constexprs")
     for name in names:
         try:
             launches = compile_family(name, args.arch)
@@ -135,13 +136,17 @@ def main(argv=None) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            r = launch.resources()
+            r, ptx = launch.resources(), launch.ptx_counts()
             consts = " ".join(f"{k}={v}" for k, v in launch.constexprs.items())
-            print(f"{name:14s} {launch.kernel_name:32s} {r['registers']:4d} {r['local']:7d} {r['shared']:8d}  "
-                  f"{consts}", flush=True)
+            print(f"{name:14s} {launch.kernel_name:32s} {r['registers']:4d} {r['local']:7d} {r['shared']:8d} "
+                  f"{ptx['mma']:4d}  {consts}", flush=True)
             if limit is not None and r["shared"] > limit:
                 failed.append(f"{name}: {launch.kernel_name} needs {r['shared']} B of shared memory, "
                               f"sm_{args.arch} allows {limit}")
+            if ptx["atomics"]:
+                failed.append(f"{name}: {launch.kernel_name} has {ptx['atomics']} atomic instructions")
+            if launch.constexprs.get("IEEE") and ptx["tf32"]:
+                failed.append(f"{name}: {launch.kernel_name} in IEEE mode has {ptx['tf32']} TF32 operands")
     print(f"sm_{args.arch}: {len(seen)} distinct kernels compiled for {len(names)} families; "
           + ("all within the arch's limits" if not failed else f"{len(failed)} FAILED:\n  " + "\n  ".join(failed)))
     return 1 if failed else 0

@@ -1,5 +1,9 @@
 """Every Triton kernel of a GPU step compiles for sm_90 in its CUDA form, within the arch's limits (docs/gpu.md).
 
+Within the limits: shared memory the arch allows, no atomic instruction
+(an accumulation whose order depends on scheduling), no TF32 operand in a
+kernel asked for IEEE fp32 products.
+
 No GPU needed: ``benchmarks/kernel_resources.py`` runs the CUDA graphs'
 capture steps of three families with the most different head geometries
 (the embedded model in fp32, its ``--dtype auto`` on CUDA: GQA groups of 3

@@ -86,6 +86,19 @@ class CompiledLaunch:
                 "shared": max(shared, int(self.compiled.metadata.shared))}
 
 
+    def ptx_counts(self) -> Dict[str, int]:
+        """Instructions of the PTX that bear on exactness: ``{"atomics", "tf32", "mma"}`` counts.
+
+        ``atomics``: ``atom.`` / ``red.`` (an atomic accumulation's order
+        depends on scheduling: none may appear on the exact path); ``tf32``:
+        any TF32 operand (a fp32 product in IEEE mode must have none);
+        ``mma``: tensor-core instructions (``mma`` / ``wgmma``).
+        """
+        ptx = self.compiled.asm["ptx"]
+        return {"atomics": len(re.findall(r"\b(?:atom|red)\.", ptx)), "tf32": ptx.count("tf32"),
+                "mma": len(re.findall(r"\b(?:wgmma|mma)\.", ptx))}
+
+
 def _nvidia_bin() -> str:
     import triton.backends.nvidia as nvidia
 
