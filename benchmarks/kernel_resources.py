@@ -38,7 +38,7 @@ import torch
 #: name -> (architecture, config overrides, dtype): real checkpoints' head geometry, small widths
 FAMILIES = {
     "smollm2-fp32": ("LlamaForCausalLM", dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                              hidden_size=576), torch.float32),  # the embedded model, `--dtype auto`
+                                              hidden_size=576), torch.float32),  # the embedded model, `--dtype float32`
     "smollm2-bf16": ("LlamaForCausalLM", dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                               hidden_size=576), torch.bfloat16),
     "llama3-bf16": ("LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128,

@@ -46,7 +46,9 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                         "run in a worker thread while the batch keeps stepping; default 60)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="weights and activations; logits are fp32.  auto (the default): on CPU bfloat16 if "
-                        "the CPU has AVX512_BF16 or AMX, else float32; on CUDA the checkpoint's dtype")
+                        "the CPU has AVX2 + FMA (with --no-tp-invariant: AVX512_BF16 or AMX), else float32; on CUDA "
+                        "as vLLM's: a 16-bit checkpoint's own dtype, bfloat16 for a float32 one (float16 "
+                        "before compute capability 8.0)")
     p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false",
                    help="the plain, fastest mode: library GEMMs and attention and a plain all-reduce, so logits "
                         "(and then tokens) may change with the tp size, the batch, speculation or the threads "
@@ -113,8 +115,9 @@ def set_threads(args: argparse.Namespace, tp_size: int) -> int:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` of the flags; ValueError on flags that would be ignored or are out of range.
 
-    ``--dtype auto`` resolves for CUDA when a GPU is visible (the checkpoint's
-    dtype), else for this CPU (:func:`tpguide.model.dtype.resolve_dtype`).
+    ``--dtype auto`` resolves for CUDA when a GPU is visible (vLLM's choice:
+    16-bit checkpoints keep their dtype, fp32 ones run in bf16), else for
+    this CPU (:func:`tpguide.model.dtype.resolve_dtype`).
     """
     used = [flag for flag, on in (("--draft-num-layers", args.draft_num_layers is not None),
                                   ("--draft-vocab-size", args.draft_vocab_size is not None),

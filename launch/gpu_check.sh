@@ -98,9 +98,10 @@ MODEL_FLAGS=()
     || MODEL_FLAGS=(--model "$MODEL")  # the embedded model is the default; else the random checkpoint
 say "model: $MODEL"
 
-# 2. kernel tests: the CUDA cases of the kernel test modules and of tests/test_*cuda*.py (the model's CUDA
-#    code path); their interpreted-on-CPU cases are the CPU suite's
-mapfile -t KERNEL_FILES < <(grep -l -i cuda tests/test_kernels_*.py tests/test_*cuda*.py 2>/dev/null | sort -u)
+# 2. kernel tests: the CUDA cases of the kernel test modules, of tests/test_*cuda*.py (the model's CUDA
+#    code path) and of the loader onto a device; their interpreted-on-CPU cases are the CPU suite's
+mapfile -t KERNEL_FILES < <(grep -l -i cuda tests/test_kernels_*.py tests/test_*cuda*.py \
+    tests/test_model_load_device.py 2>/dev/null | sort -u)
 # shellcheck disable=SC2086
 step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -n 8 -k "cuda and not interpreted" "${KERNEL_FILES[@]}" \
     ${GPU_CHECK_KERNEL_ARGS:-}

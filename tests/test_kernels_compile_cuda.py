@@ -6,8 +6,8 @@ kernel asked for IEEE fp32 products.
 
 No GPU needed: ``benchmarks/kernel_resources.py`` runs the CUDA graphs'
 capture steps of three families with the most different head geometries
-(the embedded model in fp32, its ``--dtype auto`` on CUDA: GQA groups of 3
-and ``tl.dot`` in IEEE fp32; Gemma 2 in bf16: head dim 256, soft-caps,
+(the embedded model in fp32, ``--dtype float32``: GQA groups of 3 and
+``tl.dot`` in IEEE fp32; Gemma 2 in bf16: head dim 256, soft-caps,
 window; Phi-3 in bf16: head dim 96 padded to 128, no grouping) under
 :func:`tpguide.kernels.compile_only.compile_only`, in a child process
 without ``TRITON_INTERPRET``; Triton compiles through its own ``ptxas``.

@@ -27,9 +27,16 @@ def test_auto_on_cpu_follows_the_bf16_capability_and_the_kernels(monkeypatch, na
     assert resolve_dtype("auto", "cpu", torch.float16, fixed_order=fixed_order) is want
 
 
-def test_auto_on_cuda_is_the_checkpoint_dtype():
-    assert resolve_dtype("auto", "cuda", torch.bfloat16) is torch.bfloat16
-    assert resolve_dtype("auto", torch.device("cuda", 0), None) is torch.float32
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_on_cuda_is_vllms(monkeypatch, bf16):
+    """16-bit checkpoints keep their dtype, fp32 or unnamed ones run in bf16; fp16 on a GPU without bf16."""
+    monkeypatch.setattr(dtype_mod, "cuda_has_bf16", lambda device: bf16)
+    half = torch.bfloat16 if bf16 else torch.float16
+    assert resolve_dtype("auto", "cuda", torch.bfloat16) is half
+    assert resolve_dtype("auto", "cuda", torch.float16) is torch.float16
+    assert resolve_dtype("auto", "cuda", torch.float32) is half
+    assert resolve_dtype("auto", torch.device("cuda", 0), None) is half
+    assert resolve_dtype("float32", "cuda", torch.bfloat16) is torch.float32  # explicit: as given
 
 
 def test_this_machine_capability_matches_cpuinfo():

@@ -1,12 +1,15 @@
 """Loading onto a device that is not the CPU: rows read from the file reach the parameter through a host buffer.
 
-On a GPU, ``--dtype auto`` keeps the checkpoint's dtype and whole rows are
-read by :meth:`~tpguide.model.safetensors_reader.TensorSlice.read_rows_into`;
-it must never call ``.numpy()`` on the (CUDA) target.  CI has no GPU, so the
+A checkpoint loaded at its own dtype (a bf16 one under ``--dtype auto`` on a
+GPU, any under its dtype named) has its whole rows read by
+:meth:`~tpguide.model.safetensors_reader.TensorSlice.read_rows_into`; it must
+never call ``.numpy()`` on the (CUDA) target.  CI has no GPU, so the
 non-CPU branch runs here on the ``meta`` device (a real non-CPU device) and,
-for its bits, on CPU targets routed through the same host-buffer branch.
+for its bits, on CPU targets routed through the same host-buffer branch; on
+a GPU (``launch/gpu_check.sh``) the CUDA case loads onto the device.
 """
 
+import pytest
 import torch
 
 from tpguide.dist import TPGroup
@@ -44,3 +47,14 @@ def test_host_buffer_path_gives_the_bits_of_the_direct_read(tmp_path, monkeypatc
     assert calls, "the loader did not read any whole rows"
     for name, param in direct.items():
         assert torch.equal(buffered[name], param), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_checkpoint_loads_onto_cuda_with_the_bits_of_cpu(tmp_path, dtype):
+    """The load that crashed on the first GPU try (fp32 rows into a CUDA parameter), and the converting one."""
+    d = write_random_model(tmp_path, tiny_hf_config("LlamaForCausalLM", VOCAB), dtype=torch.float32)
+    on_cpu = dict(load_model(d, TPGroup(), dtype=dtype).named_parameters())
+    on_cuda = dict(load_model(d, TPGroup(device=torch.device("cuda")), dtype=dtype).named_parameters())
+    for name, param in on_cpu.items():
+        assert on_cuda[name].is_cuda and torch.equal(on_cuda[name].cpu(), param), name

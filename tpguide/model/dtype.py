@@ -10,8 +10,14 @@
 * CPU with plain torch matmuls (``--no-tp-invariant``): bfloat16 only where
   the CPU has native bf16 matmul (AVX512_BF16 or AMX); without it the GEMM
   converts bf16 to fp32 in software and bf16 is slower than fp32.
-* CUDA: the checkpoint's dtype (``config.json`` ``dtype`` / ``torch_dtype``),
-  float32 if it names none.
+* CUDA: vLLM's ``dtype="auto"``: a 16-bit checkpoint keeps its dtype
+  (``config.json`` ``dtype`` / ``torch_dtype``); a float32 checkpoint, or
+  one that names none (the embedded GGUF), runs in bfloat16, and in float16
+  on a GPU without bf16 (before compute capability 8.0, where a bfloat16
+  checkpoint becomes float16 too).  fp32 weights would run the fixed-order
+  matmuls on FMAs instead of tensor cores (docs/gpu.md, "Compiling for a
+  GPU without one") at twice the weight traffic; logits stay fp32 either
+  way.  ``--dtype float32`` loads a checkpoint at fp32.
 
 Explicit names (``"float32"``, ``"bfloat16"``, ``"float16"``) are taken as given.
 """
@@ -34,6 +40,13 @@ _CONFIG_DTYPES = {**DTYPES, "float": torch.float32, "half": torch.float16, "bf16
 def cpu_has_native_bf16() -> bool:
     """True if this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX tiles), per torch's cpuinfo."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def cuda_has_bf16(device: torch.device | str) -> bool:
+    """True if the CUDA ``device`` computes in bfloat16 (compute capability 8.0+); True when no GPU is visible."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(torch.device(device)) >= (8, 0)
 
 
 def checkpoint_dtype(model_dir: str | Path) -> Optional[torch.dtype]:
@@ -75,7 +88,7 @@ def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[to
         Where the model runs (only the type matters).
     checkpoint : torch.dtype, optional
         The checkpoint's own dtype (:func:`checkpoint_dtype`); used by
-        ``"auto"`` on CUDA.
+        ``"auto"`` on CUDA (module docstring).
     fixed_order : bool
         The model runs the fixed-order CPU kernels (``tp_invariant``, the
         default); False: plain torch matmuls.  Used by ``"auto"`` on CPU.
@@ -90,7 +103,9 @@ def resolve_dtype(name: str, device: torch.device | str, checkpoint: Optional[to
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
         return DTYPES[name]
     if torch.device(device).type == "cuda":
-        return checkpoint if checkpoint is not None else torch.float32
+        if not cuda_has_bf16(device):
+            return torch.float16
+        return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
     if cpu_has_native_bf16() or (fixed_order and cpu_has_avx2_fma()):
         return torch.bfloat16
     return torch.float32
