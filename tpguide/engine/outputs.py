@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Tuple
 
+from tpguide.engine.detokenize import DetokenizeState, detokenize_incrementally
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.guided.schema_check import validate_output
 
@@ -21,11 +22,19 @@ def _texts(req: Request, tokenizer, reasoning_parser) -> Tuple[Optional[str], st
     """``(reasoning, text)`` of ``req`` now: the think block and the answer (docs/reasoning.md), or (None, all).
 
     A stop string's cut (an offset in the whole output's text) cuts the answer, the reasoning kept whole.
+    An unfinished output that does not think is detokenized incrementally
+    (:mod:`tpguide.engine.detokenize`: a window per step, a character cut
+    by the last token held back); a finished one is decoded whole.
     """
     def decode(ids) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     ids = req.output_token_ids
+    if not req.is_finished and not req.thinks:
+        if req.detokenized is None:
+            req.detokenized = DetokenizeState()
+        detokenize_incrementally(tokenizer, ids, req.detokenized)
+        return None, req.detokenized.text
     reasoning, answer = (None, ids) if not req.thinks else reasoning_parser.split(ids)
     text = decode(answer or [])
     if req.stop_text_cut is not None:  # finished at a stop string: the text ends before it

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from tpguide.engine.detokenize import DetokenizeState
+
 #: Most stop strings per request, and their longest length in characters.
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 
@@ -188,6 +190,7 @@ class Request:
     stop_text_cut: Optional[int] = None  # output text length when a stop string finished the request
     guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
     thinks: bool = False  # set at admission: it starts inside a think block (docs/reasoning.md)
+    detokenized: Optional[DetokenizeState] = None  # the unfinished output's text so far (engine/outputs.py)
 
     @property
     def is_finished(self) -> bool:

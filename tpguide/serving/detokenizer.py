@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-_REPLACEMENT = "\ufffd"
+from tpguide.engine.detokenize import DetokenizeState, detokenize_incrementally
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas (:func:`~tpguide.engine.detokenize.detokenize_incrementally`).
 
     Parameters
     ----------
@@ -31,24 +31,17 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.token_ids: List[int] = []
-        self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._state = DetokenizeState()
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip) if ids else ""
+    @property
+    def text(self) -> str:
+        """The complete text so far."""
+        return self._state.text
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly complete text (maybe ``""``)."""
         self.token_ids.extend(int(t) for t in new_token_ids)
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self.token_ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            delta = full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-            self.text += delta
-            return delta
-        return ""
+        return detokenize_incrementally(self.tokenizer, self.token_ids, self._state, self.skip)
 
 
 def stop_holdback(text: str, stop: Sequence[str]) -> int:
