@@ -149,12 +149,12 @@ class Scheduler:
             once every later decode has its golden token.
         """
         drafts = drafts or {}
-        seqs: List[ScheduledRequest] = []
+        seqs = _StepSeqs()
         order = sorted(self.running.values(), key=lambda r: r.admit_order)  # oldest first
         decoding = self.decoding()
         preempted_before = self.num_preemptions
         for req in list(decoding):
-            budget = self._budget(seqs)
+            budget = self.max_num_batched_tokens - seqs.num_tokens
             if budget == 0:
                 break
             decoding.remove(req)  # drafts never take the golden token of a later decode
@@ -166,7 +166,7 @@ class Scheduler:
                 seqs.append(ScheduledRequest(req, req.slot, [req.output_token_ids[-1]] + kept,
                                              req.num_tokens - 1, False, True, len(kept)))
         for req in order:
-            budget = self._budget(seqs)
+            budget = self.max_num_batched_tokens - seqs.num_tokens
             if budget > 0 and req.is_prefill and self.running.get(req.slot) is req:
                 end = min(req.prefill_len, req.num_computed_tokens + budget)
                 if self._allocate_or_preempt(req, end, seqs):
@@ -174,17 +174,14 @@ class Scheduler:
         if self.num_preemptions == preempted_before:  # the pool is not short: resume, then admit
             self._resume_and_admit(seqs)
         self.num_prefill_tokens += sum(len(s.token_ids) for s in seqs if s.is_prefill)
-        return seqs
+        return list(seqs)
 
-    def _budget(self, seqs: List[ScheduledRequest]) -> int:
-        return self.max_num_batched_tokens - sum(len(s.token_ids) for s in seqs)
-
-    def _resume_and_admit(self, seqs: List[ScheduledRequest]) -> None:
-        while self._budget(seqs) > 0 and (self.preempted or (self.waiting and self.free_slots)):
+    def _resume_and_admit(self, seqs: "_StepSeqs") -> None:
+        while self.max_num_batched_tokens - seqs.num_tokens > 0 and (self.preempted or (self.waiting and self.free_slots)):
             resume = bool(self.preempted)
             req = self.preempted[0] if resume else self.waiting[0]
             blocks, cached = self.kv.cached_prefix(req, req.prefill_len)
-            end = min(req.prefill_len, cached + self._budget(seqs))
+            end = min(req.prefill_len, cached + self.max_num_batched_tokens - seqs.num_tokens)
             if not self.kv.allocate(req, end, blocks):
                 return  # the pool is short: try again next step
             self.kv.record_lookup(req.prefill_len, cached)
@@ -199,7 +196,7 @@ class Scheduler:
             self.running[req.slot] = req
             seqs.append(self._chunk(req, end, is_new=not resume))
 
-    def _allocate_or_preempt(self, req: Request, num_tokens: int, seqs: List[ScheduledRequest]) -> bool:
+    def _allocate_or_preempt(self, req: Request, num_tokens: int, seqs: "_StepSeqs") -> bool:
         """Blocks for ``num_tokens`` positions of ``req``, preempting the newest requests; False if ``req`` itself went."""
         while not self.kv.allocate(req, num_tokens):
             victim = max(self.running.values(), key=lambda r: r.admit_order)
@@ -208,9 +205,9 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request, seqs: List[ScheduledRequest]) -> None:
+    def _preempt(self, req: Request, seqs: "_StepSeqs") -> None:
         """Free ``req``'s blocks and queue it for recompute; drop its share of this step if scheduled."""
-        seqs[:] = [s for s in seqs if s.request is not req]
+        seqs.drop(req)
         freed = len(req.block_ids)
         self.kv.free(req)
         del self.running[req.slot]
@@ -232,3 +229,20 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledRequest(req, req.slot, req.all_token_ids[start:end], start, True, end == req.prefill_len,
                                 is_new=is_new)
+
+
+class _StepSeqs(list):
+    """A step's scheduled requests so far and their token count (kept, not summed at every budget check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_tokens = 0
+
+    def append(self, s: ScheduledRequest) -> None:
+        super().append(s)
+        self.num_tokens += len(s.token_ids)
+
+    def drop(self, req: Request) -> None:
+        """Remove ``req``'s entry (a preemption)."""
+        self[:] = [s for s in self if s.request is not req]
+        self.num_tokens = sum(len(s.token_ids) for s in self)
