@@ -61,6 +61,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+ENV_AT_START = dict(os.environ)  # before any tpguide import (see run_side)
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmarks.* and tests.* (the shared-prefix prompt) when run as a script
 SIDE = REPO / "benchmarks" / "vs_vllm_side.py"
@@ -142,7 +144,9 @@ def run_side(system: str, python: str, job: dict) -> Dict[str, Any]:
     """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    env = dict(os.environ, PYTHONPATH=str(REPO) if system == "tpguide" else "")
+    # the environment this benchmark started with: importing tpguide here set its libgomp spin count
+    # (tpguide/__init__.py), which the vLLM side must not inherit; the tpguide side sets it itself
+    env = dict(ENV_AT_START, PYTHONPATH=str(REPO) if system == "tpguide" else "")
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
         proc = subprocess.Popen([python, str(SIDE), system, f.name], stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -30,10 +30,13 @@ from typing import Any, Dict, List
 
 def run_tpguide(job: Dict[str, Any]) -> Dict[str, Any]:
     """Load tpguide at tp 1 and run the phases through ``Engine.generate``."""
+    # tpguide before torch, as in the launch scripts: its init sets libgomp's spin count
+    from tpguide.dist import TPGroup
+
+    # isort: split
     import torch
 
     torch.set_num_threads(job["threads"])
-    from tpguide.dist import TPGroup
     from tpguide.engine import EngineConfig, build_engine
     from tpguide.engine.request_io import parse_request_lines
     from tpguide.model.dtype import resolve_dtype

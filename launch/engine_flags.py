@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
-import torch
-
+# tpguide before torch: its package init sets libgomp's spin count, which libgomp reads when torch loads it
 from tpguide.dist.group import DEFAULT_TIMEOUT_S
 from tpguide.engine import EngineConfig
 from tpguide.model.dtype import DTYPES, checkpoint_dtype, resolve_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 64) -> None:
@@ -108,6 +111,8 @@ def set_threads(args: argparse.Namespace, tp_size: int) -> int:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_ranks)
+    import torch
+
     torch.set_num_threads(threads)
     return threads
 
@@ -168,6 +173,8 @@ def _bytes(text: str) -> int:
 
 
 def _dtype(args: argparse.Namespace) -> torch.dtype:
+    import torch
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cuda_auto = args.dtype == "auto" and device == "cuda" and args.model and not str(args.model).endswith(".gguf")
     return resolve_dtype(args.dtype, device, checkpoint_dtype(args.model) if on_cuda_auto else None,
