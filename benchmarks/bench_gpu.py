@@ -226,7 +226,7 @@ def print_table(args, device: str, row_counts: List[int], modes: List[str], resu
             cells.append(f"{results[(n, a)].rate / results[(n, b)].rate:>9.2f}x" if ok else f"{'-':>10}")
         print(f"{n:>4} | " + " | ".join(cells))
     print("(tok/s (generated tokens incl. stop); m/HF > 1: tpguide faster; exact cost = plain tok/s / exact tok/s, "
-          "the issue's target <= 1.35x)")
+          "the target is <= 1.35x, docs/gpu.md)")
     if ttft is not None:
         print(f"time to first token, fresh `launch/generate.py` process, one guided request: {ttft[0]:.2f} s "
               f"(process {ttft[1]:.2f} s)")

@@ -114,8 +114,10 @@ def main(argv=None) -> int:
         lines.append(f"{rows:5d} rows ({len(outs):3d} active, {mean_len:5.0f} tokens each): step {wall * 1e3:6.1f} ms"
                      f" = forward {forward * 1e3:5.1f} + sampling {sample * 1e3:5.1f} + host "
                      f"{(wall - forward - sample) * 1e3:5.1f} ms")
+    source = args.requests if args.requests.is_file() else "built-in (no --requests file)"
     print(f"\nhost side of a step (1-layer model, vocabulary 49152, {args.threads} thread(s), "
-          f"drafts {'on' if args.drafts else 'off'}, after {args.warmup_steps} steps, mean of {args.steps}):")
+          f"drafts {'on' if args.drafts else 'off'}, after {args.warmup_steps} steps, mean of {args.steps}; "
+          f"requests {source}):")
     print("\n".join(lines))
     return 0
 

