@@ -169,3 +169,14 @@ def test_empty_first_mask_is_refused_at_admission(runs, backend, name):
     assert "refused" in out["error"] and ("allows no token" in out["error"] or "first token" in out["error"]), out
     best = runs[backend][f"best:{name}"]
     assert best["finish_reason"] == "error" and best["finish_reason"] != "stop", best
+
+
+def test_a_regex_check_that_backtracks_too_long_fails_closed(monkeypatch):
+    """The last-line regex check of an output has a time limit: a near miss on nested alternatives errors out."""
+    from tpguide.guided import schema_check
+    from tpguide.guided.params import StructuredOutputsParams
+
+    monkeypatch.setattr(schema_check, "REGEX_CHECK_TIMEOUT_S", 0.05)
+    message = schema_check.validate_output(StructuredOutputsParams(regex="(a|aa)+c"), "a" * 60)
+    assert message is not None and "could not be checked against its regex" in message, message
+    assert schema_check.validate_output(StructuredOutputsParams(regex="(a|aa)+c"), "aaac") is None

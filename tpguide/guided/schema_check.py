@@ -59,6 +59,9 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol
 
+#: seconds the last-line check of a regex output may take (fail closed past it: the request errors)
+REGEX_CHECK_TIMEOUT_S = 2.0
+
 if TYPE_CHECKING:
     import jsonschema
 
@@ -380,11 +383,18 @@ def validate_output(params: Guide, text: str) -> Optional[str]:
         return (f"output fails its {kind}: {error.message} (instance at {_child('', *error.absolute_path) or '/'}, "
                 f"schema at {_child('', *error.absolute_schema_path)})")
     if kind == "regex":
+        import regex as regex_engine  # transformers' dependency: re's syntax, with a time limit
+
         try:
-            pattern = re.compile(params.regex)
-        except re.error:
+            pattern = regex_engine.compile(params.regex)
+        except regex_engine.error:
             return None
-        if pattern.fullmatch(text) is None:
+        try:  # a backtracking engine: nested quantifiers can take exponential time on a near miss
+            matched = pattern.fullmatch(text, timeout=REGEX_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            return (f"output could not be checked against its regex {params.regex!r} within "
+                    f"{REGEX_CHECK_TIMEOUT_S} s (nested quantifiers backtrack): {text[:80]!r}")
+        if matched is None:
             return f"output does not match its regex {params.regex!r}: {text[:80]!r}"
         return None
     if kind == "choice":
