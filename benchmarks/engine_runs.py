@@ -77,6 +77,10 @@ def demo_request_dicts(max_tokens: int, logprobs: Optional[int] = None) -> List[
 #: previous engine's pool is still allocated on the shared model); ample for 128 rows of 2048 tokens.
 CUDA_KV_CACHE_MEMORY = 4 * 2**30
 
+#: ``"config: reason"`` of every :func:`run_engine` whose CUDA fast path turned itself off
+#: (tpguide/worker/fast_path_check.py): its outputs and times are the plain eager step's.
+FAST_PATH_FALLBACKS: List[str] = []
+
 
 def set_bench_defaults(parser) -> None:
     """Defaults of the engine flags (``launch/engine_flags.py``) in these scripts.
@@ -141,6 +145,8 @@ def run_engine(model_dir: Optional[str], config, dicts: List[dict], default_max_
 
     Returns the output lines (:meth:`RequestOutput.to_json`, input order) and
     the wall seconds of the timed ``generate`` (on CUDA up to a synchronize).
+    A run whose CUDA fast path turned itself off is added to
+    :data:`FAST_PATH_FALLBACKS`.
     """
     import torch
 
@@ -158,6 +164,9 @@ def run_engine(model_dir: Optional[str], config, dicts: List[dict], default_max_
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        reason = getattr(engine.runner, "fast_path_off_reason", "")
+        if reason:
+            FAST_PATH_FALLBACKS.append(f"{config}: {reason}")
     finally:
         engine.shutdown()
     return [o.to_json() for o in outputs], wall

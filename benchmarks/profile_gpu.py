@@ -76,7 +76,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--eager", dest="cuda_graphs", action="store_false",
-                   help="profile the default eager CUDA path instead of --cuda-graphs")
+                   help="profile the eager CUDA path (--no-cuda-graphs) instead of the default CUDA graphs")
     p.add_argument("--no-tp-invariant", dest="tp_invariant", action="store_false")
     return p.parse_args(argv)
 
@@ -241,7 +241,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     reports = [run_rows(engine, args, n, i == len(rows) - 1, on_cuda) for i, n in enumerate(rows)]
     if reports[-1]["error_mode"] in ("", "no sync"):
         engine.shutdown()
-    _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, engine.runner.graphs_off_reason, reports)
+    _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, engine.runner, reports)
 
 
 def time_kv_pool_allocation(engine, config) -> float:
@@ -261,8 +261,9 @@ def time_kv_pool_allocation(engine, config) -> float:
     return time.perf_counter() - start
 
 
-def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, off_reason, reports) -> None:
+def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, runner, reports) -> None:
     """The top tables and sync stacks first, then the summary lines and the per-step table (the last lines)."""
+    off_reason = runner.graphs_off_reason
     for rep in reports:
         print(f"\n=== {rep['rows']} rows: top {'kernels' if on_cuda else 'host ops'} "
               f"over {args.profile_steps} steps ===\n{rep['table']}")
@@ -276,6 +277,10 @@ def _print(args, on_cuda, dtype, build_s, kv_s, capture_s, graphs, off_reason, r
           f"engine built in {build_s:.2f} s, CUDA graphs: {graph_note}")
     if kv_s is not None:
         print(f"KV pool allocation alone (empty cache -> zeroed pool): {kv_s:.3f} s")
+    checked = ", ".join(f"{kind} {size}: {n}" for (kind, size), n in sorted(runner.fast_path_check.checked.items(),
+                                                                          key=str))
+    print(f"fast-path steps checked against the plain step (kind bucket: steps): {checked or 'none'}; "
+          + (f"FELL BACK: {runner.fast_path_off_reason}" if runner.fast_path_off_reason else "no fallback"))
     for rep in reports:
         if rep["error_mode"]:
             print(f"one {rep['rows']}-row step under set_sync_debug_mode('error'): {rep['error_mode']}")

@@ -56,10 +56,13 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                    help="the plain, fastest mode: library GEMMs and attention and a plain all-reduce, so logits "
                         "(and then tokens) may change with the tp size, the batch, speculation or the threads "
                         "(default: every reduction in a fixed order, see docs/exactness.md)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="opt in, not yet run on a GPU: on CUDA, persistent step buffers without host syncs, and at "
-                        "tp 1 with the TP-invariant model decode and draft-verify steps replay a CUDA graph per "
-                        "token-count bucket (default: every step eagerly; docs/gpu.md)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CUDA (the default): persistent step buffers without host syncs, and at tp 1 with the "
+                        "TP-invariant model a CUDA graph replayed per token-count bucket; the first steps of each "
+                        "bucket are checked bit for bit against the eager step, which a difference or a failed "
+                        "capture falls back to (docs/gpu.md).  --no-cuda-graphs: every step eagerly")
+    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="vLLM's name for --no-cuda-graphs")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads per rank (default: cores // ranks on this node); with the default TP-invariant "
                         "mode the outputs do not depend on it")

@@ -118,7 +118,7 @@ if [ "$QUICK" = 0 ]; then
         --budget-s $((LIMIT_EXACT - 25)) ${GPU_CHECK_EXACT_ARGS:-}
     # shellcheck disable=SC2086
     step speed "$LIMIT_SPEED" "$PY" benchmarks/bench_gpu.py --model "$MODEL" --requests "$REQUESTS" \
-        --modes exact,plain,graphs \
+        --modes exact,plain,eager \
         --budget-s $((LIMIT_SPEED - 25)) ${GPU_CHECK_SPEED_ARGS:-}
     if [ -f benchmarks/profile_gpu.py ]; then
         step profile "$LIMIT_PROFILE" "$PY" benchmarks/profile_gpu.py --model "$MODEL" --requests "$REQUESTS"

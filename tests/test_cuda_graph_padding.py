@@ -77,6 +77,9 @@ def case_padded_equals_unpadded(device):
             assert got.token_ids == want.token_ids and not any(want.bad_rows), (i, got.token_ids, want.token_ids)
             for name in ("logprobs", "top_logprob_ids", "top_logprobs"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
+    # each runner's first steps were checked against the plain step, and none differed (fast_path_check.py)
+    assert eager.fast_path_off_reason == padded.fast_path_off_reason == "", padded.fast_path_off_reason
+    assert dict(padded.fast_path_check.checked) == {("graph", 16): 1, ("graph", 8): 2, ("graph", 1): 1}
     if device == "cuda":
         assert sorted(padded.graphs.graphs) == [1, 8, 16], sorted(padded.graphs.graphs)
 

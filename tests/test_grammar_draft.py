@@ -1,10 +1,10 @@
 """Grammar drafts in one process: forced strings of both backends, the drafter, the speculator's composition, flags."""
 
-import argparse
 import dataclasses
 
 import pytest
 import torch
+from cli_config import engine_config
 from guided_testing import load_test_backend
 
 from tpguide.engine.drafting import draft_input_of
@@ -169,20 +169,6 @@ def test_drafts_of_a_smaller_budget_are_a_prefix(method, tokenizer, drafter):
         assert spec.propose(dataclasses.replace(seq, structured_output=None), budget) == free[:budget - 1]
 
 
-def _args(*argv):
-    """``launch/engine_flags.py`` (a script beside the package, loaded from its path) on ``argv``."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "launch" / "engine_flags.py"
-    spec = importlib.util.spec_from_file_location("engine_flags", path)
-    flags = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flags)
-    p = argparse.ArgumentParser()
-    flags.add_engine_flags(p)
-    return flags.engine_config_from_args(p.parse_args(list(argv)))
-
-
 @pytest.mark.parametrize("argv, method, grammar, k", [
     ((), "grammar", True, 4),
     (("--speculative-method", "ngram"), "ngram", True, 4),
@@ -191,14 +177,14 @@ def _args(*argv):
     (("--speculative-method", "none"), None, True, 0),
 ])
 def test_flags_compose_grammar_drafts_with_the_method(argv, method, grammar, k):
-    config = _args(*argv)
+    config = engine_config(*argv)
     assert (config.speculative_method, config.num_speculative_tokens) == (method, k)
     assert config.grammar_draft == grammar
 
 
 def test_flags_refuse_k_without_drafts():
     with pytest.raises(ValueError, match="needs drafts"):
-        _args("--speculative-method", "none", "--num-speculative-tokens", "3")
+        engine_config("--speculative-method", "none", "--num-speculative-tokens", "3")
 
 
 def _layout_request(slot, text, tokenizer, whitespace=None):

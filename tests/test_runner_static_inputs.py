@@ -43,6 +43,7 @@ def plain(tiny_model_path):
 def test_static_inputs_give_the_plain_outputs(tiny_model_path, plain, capacity):
     got, runner = _run(tiny_model_path, capacity)
     assert runner.buffers is not None and runner.graphs is None  # CPU: no graphs
+    assert runner.fast_path_off_reason == "" and runner.fast_path_check.checked  # checked, and kept
     if capacity.max_tokens < CONFIG.max_num_batched_tokens:
         assert runner.buffers.capacity.max_tokens > capacity.max_tokens  # grew for the prefill steps
     for a, b in zip(got, plain, strict=True):

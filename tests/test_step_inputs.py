@@ -5,7 +5,14 @@ import torch
 
 from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.sampler import SamplingMetadata
-from tpguide.worker.cuda_graphs import BUCKETS, bucket_for, graph_buckets, graphs_supported
+from tpguide.worker.cuda_graphs import (
+    BUCKETS,
+    MAX_GRAPH_TOKENS,
+    bucket_for,
+    capture_buckets,
+    graph_buckets,
+    graphs_supported,
+)
 from tpguide.worker.protocol import StepPlan
 from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity
 
@@ -108,6 +115,17 @@ def test_buckets():
     assert graph_buckets(40) == (1, 2, 4, 8, 16, 24, 32)
     assert bucket_for(5, graph_buckets(40)) == 8 and bucket_for(33, graph_buckets(40)) is None
     assert all(a < b for a, b in zip(BUCKETS, BUCKETS[1:]))
+
+
+def test_graphs_are_captured_up_to_the_largest_decode_step():
+    from tpguide.engine import EngineConfig, step_capacity
+
+    cap = step_capacity(EngineConfig(max_num_seqs=16))  # 16 rows x (1 + 4 drafts) = 80 tokens: bucket 96
+    assert cap.max_graph_tokens == 80 and capture_buckets(cap)[-1] == 96
+    assert capture_buckets(step_capacity(EngineConfig(max_num_seqs=16, speculative_method=None)))[-1] == 16
+    assert capture_buckets(step_capacity(EngineConfig(max_num_seqs=256)))[-1] == MAX_GRAPH_TOKENS  # vLLM's cap
+    assert capture_buckets(StepCapacity(40, 4, 4, BLOCK)) == graph_buckets(40)  # no decode bound: the buffers'
+    assert capture_buckets(StepCapacity(40, 4, 4, BLOCK, max_graph_tokens=100)) == graph_buckets(40)
 
 
 def test_no_graphs_on_cpu():

@@ -85,12 +85,17 @@ class EngineConfig:
         fitted once on built-in calibration text and cached
         (:mod:`tpguide.speculative.draft_lens`); False = the raw early exit.
     cuda_graphs : bool
-        Opt in (not yet run on a GPU, docs/gpu.md): on CUDA, the step's inputs
-        go through persistent buffers with no host sync before the sampled ids
-        are read, and decode and draft-verify steps replay a CUDA graph where
-        supported (tp 1, ``tp_invariant``; :mod:`tpguide.worker.cuda_graphs`).
-        False (the default): every step eagerly, the CUDA path measured on an
-        H200 (docs/gpu.md "Results").  No effect on CPU.
+        On CUDA (the default, as vLLM's without ``enforce_eager``): the
+        step's inputs go through persistent buffers with no host sync before
+        the sampled ids are read, and a step that fits a token-count bucket
+        replays a CUDA graph where supported (tp 1, ``tp_invariant``;
+        :mod:`tpguide.worker.cuda_graphs`).  The first steps of each bucket
+        are checked bit for bit against the plain eager step, which a
+        difference or a failed capture falls back to for the run
+        (:mod:`tpguide.worker.fast_path_check`; docs/gpu.md).  False
+        (``--no-cuda-graphs`` / ``--enforce-eager``): every step eagerly on
+        the plan's tensors, the CUDA path measured on an H200 (docs/gpu.md
+        "Results").  No effect on CPU.
     reasoning_parser : {"auto", "qwen3", "deepseek_r1", "none"}
         The think block of reasoning models (docs/reasoning.md): ``auto`` is
         on when the tokenizer has ``<think>`` and ``</think>`` as single
@@ -116,7 +121,7 @@ class EngineConfig:
     draft_num_layers: Optional[int] = None
     draft_vocab_size: int = 8192
     draft_lens: bool = True
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
@@ -152,7 +157,8 @@ def step_capacity(config: EngineConfig) -> StepCapacity:
     """The most one step holds under ``config`` (the runner's persistent buffers grow past it if ever needed)."""
     blocks = -(-(config.max_model_len + config.num_speculative_tokens) // config.block_size)
     return StepCapacity(max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
-                        max_blocks_per_seq=blocks, block_size=config.block_size)
+                        max_blocks_per_seq=blocks, block_size=config.block_size,
+                        max_graph_tokens=config.max_num_seqs * (1 + config.num_speculative_tokens))
 
 
 def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: bool) -> None:

@@ -146,8 +146,9 @@ class Engine:
                                  static_inputs=group.device.type == "cuda" and config.cuda_graphs)
         if group.is_driver and group.device.type == "cuda":
             graphs = self.runner.graphs
-            state = (f"on (buckets up to {graphs.buckets[-1]} tokens, each captured on first use)" if graphs
-                     else f"off ({self.runner.graphs_off_reason or 'the default; --cuda-graphs opts in'})")
+            state = (f"on (buckets up to {graphs.buckets[-1]} tokens, each captured on first use, its first "
+                     f"{self.runner.fast_path_check.steps} steps checked against the eager step)" if graphs
+                     else f"off ({self.runner.graphs_off_reason or '--no-cuda-graphs'})")
             print(f"[rank {getattr(group, 'rank', 0)}] CUDA graphs: {state}", file=sys.stderr, flush=True)
         if grammar_tables is not None:
             building.result()

@@ -34,9 +34,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from tpguide.worker.fast_path_check import GraphCaptureError
 from tpguide.worker.step_inputs import StepBuffers, StepInputs
 
-__all__ = ["BUCKETS", "graph_buckets", "bucket_for", "graphs_supported", "forward_logits", "PaddedEager", "CudaGraphs"]
+__all__ = ["BUCKETS", "MAX_GRAPH_TOKENS", "graph_buckets", "bucket_for", "capture_buckets", "graphs_supported", "forward_logits", "PaddedEager", "CudaGraphs"]
 
 #: Token counts a graph is captured for (a step pads its tokens up to the next one).
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
@@ -50,6 +51,24 @@ def graph_buckets(max_tokens: int) -> Tuple[int, ...]:
 def bucket_for(num_tokens: int, buckets: Tuple[int, ...]) -> Optional[int]:
     """The smallest bucket ``>= num_tokens``, or None when the step is larger than every bucket."""
     return next((b for b in buckets if b >= num_tokens), None)
+
+
+#: The most tokens a graph is captured for (vLLM's largest default capture size): larger steps are
+#: prefill chunks, whose launches a forward over that many tokens amortizes.
+MAX_GRAPH_TOKENS = 512
+
+
+def capture_buckets(capacity) -> Tuple[int, ...]:
+    """The buckets a runner of ``capacity`` (a :class:`~tpguide.worker.step_inputs.StepCapacity`) captures.
+
+    Up to the bucket of its largest decode step (``capacity.max_graph_tokens``:
+    every sequence with every draft), at most :data:`MAX_GRAPH_TOKENS` and
+    ``capacity.max_tokens``.  Each captured bucket keeps its fp32 logits
+    ``[bucket, V_local]`` allocated, so a bucket no decode step needs would
+    hold memory for a prefill chunk, which runs eagerly instead.
+    """
+    want = min(capacity.max_graph_tokens or capacity.max_tokens, MAX_GRAPH_TOKENS)
+    return graph_buckets(min(bucket_for(want, BUCKETS) or BUCKETS[-1], capacity.max_tokens))
 
 
 def graphs_supported(model, group) -> Tuple[bool, str]:
@@ -131,6 +150,11 @@ class CudaGraphs(PaddedEager):
         -------
         (StepInputs, Tensor float32 [bucket, V_local])
             The staged views and the graph's logits (valid until the next replay).
+
+        Raises
+        ------
+        GraphCaptureError
+            The bucket was new and its capture failed.
         """
         if bucket not in self.graphs:
             self.capture(bucket)
@@ -140,13 +164,24 @@ class CudaGraphs(PaddedEager):
         return inputs, logits
 
     def capture(self, bucket: int) -> None:
-        """Capture ``bucket``'s graph on a padding-only step (the KV cache is neither read nor written)."""
+        """Capture ``bucket``'s graph on a padding-only step (the KV cache is neither read nor written).
+
+        Raises
+        ------
+        GraphCaptureError
+            The capture failed, or the eager warm-up before it ran out of
+            memory; the bucket stays uncaptured.
+        """
         start = time.perf_counter()
         warm = self.buffers.stage_padding(bucket)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # Triton compiles and the allocator warms up outside the capture
-            self.step(self.model, warm)
+            try:
+                self.step(self.model, warm)
+            except torch.OutOfMemoryError as err:  # the graph's memory does not fit beside the KV pool
+                raise GraphCaptureError(f"the CUDA graph of bucket {bucket} tokens does not fit in memory "
+                                        f"(lower --kv-cache-memory-fraction or use --no-cuda-graphs): {err}") from err
         torch.cuda.current_stream().wait_stream(side)
         # fresh view objects: per-step caches keyed on the positions tensor (RoPE's cos/sin) must miss
         # during the capture, so their computation is recorded in the graph
@@ -156,13 +191,22 @@ class CudaGraphs(PaddedEager):
         # and empties the allocator's cache at every capture (a full collection of the driver's heap, for
         # nothing; vLLM patches gc.collect out of its captures for the same reason).  thread_local: the
         # bitmask-fill and compile threads keep running during a lazy capture.
+        failed: Optional[BaseException] = None
         with torch.cuda.stream(side):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 logits = self.step(self.model, inputs)
+            except RuntimeError as err:  # an op the capture refuses (a host sync), memory, ...
+                failed = err
             finally:
-                graph.capture_end()
+                try:
+                    graph.capture_end()
+                except RuntimeError as err:  # the capture was invalidated
+                    failed = failed or err
         torch.cuda.current_stream().wait_stream(side)
+        if failed is not None:
+            raise GraphCaptureError(f"capturing the CUDA graph of bucket {bucket} tokens failed: "
+                                    f"{type(failed).__name__}: {failed}") from failed
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[bucket] = (graph, logits)

@@ -32,6 +32,7 @@ On CPU the step runs as it always did.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -44,8 +45,10 @@ from tpguide.model.attention import AttentionMetadata
 from tpguide.sampling.penalties import apply_penalties_inplace
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
 from tpguide.sampling.sampler import SamplingMetadata
-from tpguide.worker.cuda_graphs import CudaGraphs, PaddedEager, graph_buckets, graphs_supported
+from tpguide.worker.cuda_graphs import BUCKETS, CudaGraphs, PaddedEager, bucket_for, capture_buckets, graphs_supported
+from tpguide.worker.fast_path_check import CHECKED_STEPS, FastPathCheck, GraphCaptureError
 from tpguide.worker.group_sampling import compute_prompt_logprobs, sample
+from tpguide.worker.host_sync import allowed_host_sync
 from tpguide.worker.protocol import BitmaskSlices, DriverAborted, Message, MessageKind, StepPlan, StepResult
 from tpguide.worker.step_inputs import BitmaskBuffers, StepBuffers, StepCapacity
 
@@ -86,10 +89,24 @@ class StepRunner:
     group : TPGroup
     draft_head : DraftHead, optional
         This rank's drafter (speculative method ``draft-head``).
+    capacity : StepCapacity, optional
+        The engine's step limits: the persistent buffers' size (needed with ``static_inputs``).
+    cuda_graphs : bool
+        Replay a CUDA graph per token-count bucket where :func:`graphs_supported` agrees.
+    static_inputs : bool, optional
+        The persistent-buffer (fast) path; default: on a CUDA device.
+    check_steps : int
+        Steps of each fast-path kind checked against the plain step (:mod:`tpguide.worker.fast_path_check`).
+
+    Raises
+    ------
+    ValueError
+        ``static_inputs`` without ``capacity``.
     """
 
     def __init__(self, model, group: TPGroup, draft_head=None, capacity: Optional[StepCapacity] = None,
-                 cuda_graphs: bool = False, static_inputs: Optional[bool] = None) -> None:
+                 cuda_graphs: bool = False, static_inputs: Optional[bool] = None,
+                 check_steps: int = CHECKED_STEPS) -> None:
         self.model, self.group, self.draft_head = model, group, draft_head
         self.shard = model.vocab_shard
         #: called at the start of every step; ``launch/generate.py`` sets it to
@@ -102,6 +119,10 @@ class StepRunner:
         self.graphs: Optional[PaddedEager] = None  # CudaGraphs on CUDA; tests may set a PaddedEager
         #: why CUDA graphs are off although asked for ("" when on or not asked for)
         self.graphs_off_reason = ""
+        #: why the fast path was turned off during the run ("" while it has not been; :meth:`_fast_path_off`)
+        self.fast_path_off_reason = ""
+        #: the first steps of each fast-path kind checked against the plain step (:mod:`~tpguide.worker.fast_path_check`)
+        self.fast_path_check = FastPathCheck(group, check_steps)
         self._want_graphs = cuda_graphs
         if self.static_inputs:
             if capacity is None:
@@ -117,7 +138,7 @@ class StepRunner:
         if self._want_graphs:
             supported, self.graphs_off_reason = graphs_supported(self.model, self.group)
             if supported:
-                self.graphs = CudaGraphs(self.model, self.buffers, graph_buckets(capacity.max_tokens))
+                self.graphs = CudaGraphs(self.model, self.buffers, capture_buckets(capacity))
 
     def execute(self, plan: StepPlan, bitmask: Optional[BitmaskSlices] = None) -> StepResult:
         """One whole step on this rank: :meth:`execute_model`, then :meth:`sample_tokens` (a collective).
@@ -145,7 +166,11 @@ class StepRunner:
         if self.on_step is not None:
             self.on_step()
         if self.static_inputs:
-            return self._execute_model_static(plan)
+            return self._execute_model_fast(plan)
+        return self._execute_model_plain(plan)
+
+    def _execute_model_plain(self, plan: StepPlan) -> ForwardOutput:
+        """:meth:`execute_model` on the plan's own tensors, unpadded (the CPU path; CUDA's without the fast path)."""
         dev = self.group.device
         meta = AttentionMetadata.from_block_tables(plan.block_tables, plan.query_lens, plan.context_lens, device=dev,
                                                    block_size=self.model.kv_block_size)
@@ -159,16 +184,61 @@ class StepRunner:
             apply_penalties_inplace(logits, plan.sampling.penalties.to(dev), self.shard.vocab_start_index)
         return ForwardOutput(logits, plan.sampling.to(dev), prompt)
 
-    def _execute_model_static(self, plan: StepPlan) -> ForwardOutput:
+    def _execute_model_fast(self, plan: StepPlan) -> ForwardOutput:
+        """:meth:`execute_model` on the fast path, its first steps of each kind checked (docs/gpu.md).
+
+        The first :data:`~tpguide.worker.fast_path_check.CHECKED_STEPS` steps
+        of each kind (a bucket's graph; the eager step on the buffers, by the
+        bucket its size would take) also
+        run :meth:`_execute_model_plain` and compare the logits bit for bit
+        over the group.  A difference, or a graph capture that fails, turns
+        the fast path off for the run (:meth:`_fast_path_off`) and the step
+        returns the plain step's output.
+        """
+        size, bucket = max(plan.input_ids.numel(), plan.selected_token_indices.numel()), None
+        if self.graphs is not None and plan.selected_prompt_indices is None:
+            bucket = self.graphs.bucket_for(size)
+        kind = ("eager", bucket_for(size, BUCKETS)) if bucket is None else ("graph", bucket)  # None: above all buckets
+        checked = self.fast_path_check.wants(kind)
+        try:
+            fast = self._execute_model_static(plan, bucket)
+        except GraphCaptureError as err:
+            self._fast_path_off(str(err))
+            return self._execute_model_plain(plan)
+        if not checked:
+            return fast
+        with allowed_host_sync():  # a checked step's plain twin waits on the host: deliberate, a few steps a run
+            plain = self._execute_model_plain(plan)  # writes the same KV slots last: the plain bits stay
+        why = self.fast_path_check.compare(kind, fast.logits, plain.logits)
+        if why is None:
+            return fast
+        name = "the eager step on the persistent buffers" if bucket is None else f"the CUDA graph of bucket {bucket}"
+        self._fast_path_off(f"{name} gave other logits than the plain eager step ({why})")
+        return plain
+
+    def _fast_path_off(self, reason: str) -> None:
+        """Run every later step on the plain eager path, and say why on stderr (docs/gpu.md)."""
+        self.static_inputs = False
+        self.buffers = self.bitmask_buffers = self.graphs = None
+        self.graphs_off_reason = self.fast_path_off_reason = reason
+        print(f"[rank {getattr(self.group, 'rank', self.group.tp_rank)}] WARNING: CUDA fast path (persistent "
+              f"buffers, CUDA graphs) off for the rest of this run: {reason}. Every step now runs the plain "
+              "eager path; please report this with the output of `bash launch/gpu_check.sh`.",
+              file=sys.stderr, flush=True)
+
+    def _execute_model_static(self, plan: StepPlan, bucket: Optional[int]) -> ForwardOutput:
         """:meth:`execute_model` over the persistent buffers: no host sync before the sampled ids are read (docs/gpu.md).
 
-        A step that fits a bucket (and asks no prompt logprobs) replays that
-        bucket's CUDA graph; any other runs the same forward eagerly, unpadded.
+        With a ``bucket`` (a step that fits one and asks no prompt logprobs)
+        it replays that bucket's CUDA graph; else it runs the same forward
+        eagerly, unpadded.
+
+        Raises
+        ------
+        GraphCaptureError
+            The bucket's graph was new and could not be captured.
         """
         num_rows = plan.selected_token_indices.numel()
-        bucket = None
-        if self.graphs is not None and plan.selected_prompt_indices is None:
-            bucket = self.graphs.bucket_for(max(plan.input_ids.numel(), num_rows))
         prompt = None
         if bucket is not None:
             inputs, logits = self.graphs.run(plan, bucket)  # [bucket, V_pad / tp] fp32
@@ -227,7 +297,7 @@ class StepRunner:
         seqs, blocks = len(plan.block_tables), max(len(t) for t in plan.block_tables)
         if not cap.fits(tokens, rows, seqs, blocks):
             self._allocate(StepCapacity(max(cap.max_tokens, tokens, rows), max(cap.max_seqs, seqs),
-                                        max(cap.max_blocks_per_seq, blocks), cap.block_size))
+                                        max(cap.max_blocks_per_seq, blocks), cap.block_size, cap.max_graph_tokens))
 
     def _result(self, out, logits: torch.Tensor, prompt: Optional[PromptLogprobs]) -> StepResult:
         """The :class:`StepResult` of sampler output ``out``: its one read to the host (:func:`read_to_host`)."""
@@ -330,10 +400,6 @@ def read_to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         dst.copy_(src, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
+    with allowed_host_sync():
         done.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
     return [t.clone() for t in out]  # pageable copies: the pinned blocks go back to the allocator at once

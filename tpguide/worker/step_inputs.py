@@ -64,12 +64,16 @@ class StepCapacity:
     """The most a step holds: tokens (= sample rows), sequences, KV blocks per sequence.
 
     Checked by :class:`StepBuffers` (built on CUDA only: on CPU this module runs no code).
+    ``max_graph_tokens``: the most tokens of a decode step (every sequence
+    with every draft), which CUDA graphs are captured up to
+    (:func:`tpguide.worker.cuda_graphs.capture_buckets`); None: ``max_tokens``.
     """
 
     max_tokens: int
     max_seqs: int
     max_blocks_per_seq: int
     block_size: int
+    max_graph_tokens: Optional[int] = None
 
     def fits(self, num_tokens: int, num_rows: int, num_seqs: int, max_blocks: int) -> bool:
         """Whether a step of that size fits the buffers."""
