@@ -306,15 +306,16 @@ def _uses_draft07_spelling(schema: Any) -> bool:
 def import_jsonschema():
     """:mod:`jsonschema`, imported on first use.
 
-    Its import costs 1.5-2 s of CPU (``rfc3987_syntax`` builds a Lark parser
-    at import), which a process that never checks a schema (a non-driver
-    rank, an unguided run) should not pay; the engine imports it at start-up
-    in its grammar-tables thread (:class:`~tpguide.engine.engine.Engine`), so
-    no request waits for it either.
+    A process that never checks a schema (a non-driver rank, an unguided run)
+    does not import it; the engine imports it at start-up in its
+    grammar-tables thread (:class:`~tpguide.engine.engine.Engine`), so no
+    request waits for it either.  ``rfc3987_syntax`` (1.4 s of CPU: Lark
+    parsers built at import) is imported only by the first ``iri`` /
+    ``iri-reference`` format check (:mod:`tpguide.guided.lazy_iri_syntax`).
     """
-    import jsonschema
+    from tpguide.guided.lazy_iri_syntax import import_jsonschema_lazily
 
-    return jsonschema
+    return import_jsonschema_lazily()
 
 
 def validator_for_schema(schema: Any) -> jsonschema.protocols.Validator:

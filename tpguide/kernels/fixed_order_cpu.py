@@ -220,13 +220,31 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     amx = weight.dtype == torch.bfloat16 and kernel_isa() == "amx"
     padded_unit = -(-unit // 32) * 32 if amx else unit
     num_panels = -(-n // PANEL)
-    padded = weight.new_zeros(num_panels * PANEL, num_units, padded_unit)
-    padded[:n, :, :unit] = weight.reshape(n, num_units, unit)
+    rows = weight.reshape(n, num_units, unit)  # [N, U, K_unit]
     if amx:  # [U, P, K_pad / 2, PANEL, 2]: one B tile row holds 16 columns' k pairs
+        padded = weight.new_empty((num_panels, PANEL, num_units, padded_unit))
+        _copy_zero_padded(padded, rows)
         panels = padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
-    else:
-        panels = padded.view(num_panels, PANEL, num_units, unit).permute(2, 0, 3, 1).contiguous()
+    else:  # written in place through a [P, PANEL, U, K_unit] view: one pass over the weight, no zeroing pass
+        panels = weight.new_empty((num_units, num_panels, unit, PANEL))
+        _copy_zero_padded(panels.permute(1, 3, 0, 2), rows)
     return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit)
+
+
+def _copy_zero_padded(dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst [P, PANEL, U, K_dst]`` (any strides) = ``rows [N, U, K]``, zero past row ``N`` and column ``K``.
+
+    Every element of ``dst`` is written exactly once (``dst`` may be uninitialised).
+    """
+    n, _, unit = rows.shape
+    full = n // PANEL
+    dst[:full, :, :, :unit].copy_(rows[:full * PANEL].unflatten(0, (full, PANEL)))
+    if full < dst.shape[0]:  # the last panel: its real columns, then zeros
+        tail = n - full * PANEL
+        dst[full, :tail, :, :unit].copy_(rows[full * PANEL:])
+        dst[full, tail:, :, :unit].zero_()
+    if unit < dst.shape[3]:
+        dst[..., unit:].zero_()
 
 
 def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True,

@@ -43,6 +43,7 @@ from tpguide.model.parallel_linear import (
 from tpguide.model.rotary import RotaryEmbedding
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
+from tpguide.model.zeroed_pool import zeroed_pool
 
 __all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "RMSNorm",
            "RotaryEmbedding"]
@@ -281,7 +282,8 @@ class LlamaForCausalLM(nn.Module):
         """Allocate zeroed per-layer block pools ``[num_blocks, block_size, num_local_kv_heads, head_dim]``.
 
         docs/architecture.md §7 "KV cache".  Model dtype, on ``group.device``;
-        replaces any previous cache.  ``max_model_len`` (default
+        replaces any previous cache.  On the CPU the pages are zeroed by the
+        kernel on first touch (:func:`~tpguide.model.zeroed_pool.zeroed_pool`).  ``max_model_len`` (default
         ``block_size``, the dense case: one block per slot) fixes longrope's
         factor set for this cache (see :mod:`tpguide.model.rotary`).
 
@@ -306,8 +308,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn.k_cache = None  # free the old pool before the new one is allocated
             layer.self_attn.attn.v_cache = None
         for layer in self.model.layers:
-            layer.self_attn.attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)
-            layer.self_attn.attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.group.device)
+            layer.self_attn.attn.k_cache = zeroed_pool(shape, self.dtype, self.group.device)  # CPU: zeroed on touch
+            layer.self_attn.attn.v_cache = zeroed_pool(shape, self.dtype, self.group.device)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
