@@ -42,6 +42,19 @@ def test_zeroed_pool_empty_shape_and_bad_shape():
         zeroed_pool([2, -1], torch.float32, CPU)
 
 
+def test_a_pool_larger_than_the_available_memory_fails_at_start(monkeypatch, tmp_path):
+    import tpguide.model.zeroed_pool as zp
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:       1024 kB\n")
+    assert zp.available_memory_bytes(str(meminfo)) == 1024 * 1024
+    assert zp.available_memory_bytes(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(zp, "available_memory_bytes", lambda: 1024 * 1024)
+    with pytest.raises(MemoryError, match=r"needs 2 MiB .* 1 MiB available"):
+        zeroed_pool([2, 2**19], torch.float16, CPU)
+    assert zeroed_pool([2, 2**18], torch.float16, CPU).shape == (2, 2**18)  # 1 MiB fits
+
+
 def test_zeroed_pool_off_the_cpu_is_torch_zeros():
     pool = zeroed_pool([2, 3], torch.bfloat16, torch.device("meta"))
     assert pool.device.type == "meta" and pool.shape == (2, 3) and pool.dtype == torch.bfloat16
