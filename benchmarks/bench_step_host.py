@@ -21,7 +21,9 @@ row count.  No peer: this measures a share of tpguide's own step.
 The bitmask fill (``Driver.fill_bitmask``) runs in a thread while the
 forward runs: here the CPU forward hides it, so it is not in the host
 figure, and the line gives its own time ("fill").  On a GPU the forward is
-queued and the step waits for the fill: count it there.
+queued and the step waits for the fill: count it there.  Then it times
+``--steps`` more steps as :meth:`Engine.generate` runs them, building only
+the finished requests' outputs ("generate's steps").
 
 Usage::
 
@@ -61,8 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_steps(engine, steps: int):
-    """``(wall, forward, sample, fill)`` seconds per step over ``steps`` steps, and the last step's outputs."""
+def time_steps(engine, steps: int, finished_only: bool = False):
+    """``(wall, forward, sample, fill)`` seconds per step over ``steps`` steps, and the last step's outputs.
+
+    ``finished_only``: the steps of :meth:`Engine.generate`, which builds no output for a running request.
+    """
     runner, driver = engine.runner, engine.driver
     spent = {"forward": 0.0, "sample": 0.0, "fill": 0.0}
     execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
@@ -81,7 +86,7 @@ def time_steps(engine, steps: int):
     try:
         start = time.perf_counter()
         for _ in range(steps):
-            outs = engine.step()
+            outs = engine.step(finished_only)
         wall = time.perf_counter() - start
     finally:
         runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
@@ -115,12 +120,14 @@ def main(argv=None) -> int:
             for _ in range(args.warmup_steps):
                 engine.step()
             wall, forward, sample, fill, outs = time_steps(engine, args.steps)
+            quiet = time_steps(engine, args.steps, finished_only=True)
         finally:
             engine.shutdown()
         mean_len = sum(len(o.token_ids) for o in outs) / max(1, len(outs))
         lines.append(f"{rows:5d} rows ({len(outs):3d} active, {mean_len:5.0f} tokens each): step {wall * 1e3:6.1f} ms"
                      f" = forward {forward * 1e3:5.1f} + sampling {sample * 1e3:5.1f} + host "
-                     f"{(wall - forward - sample) * 1e3:5.1f} ms; fill {fill * 1e3:5.1f} ms (in its thread)")
+                     f"{(wall - forward - sample) * 1e3:5.1f} ms (generate's steps "
+                     f"{(quiet[0] - quiet[1] - quiet[2]) * 1e3:4.1f}); fill {fill * 1e3:5.1f} ms (in its thread)")
     source = args.requests if args.requests.is_file() else "built-in (no --requests file)"
     print(f"\nhost side of a step (1-layer model, vocabulary 49152, {args.threads} thread(s), "
           f"drafts {'on' if args.drafts else 'off'}, after {args.warmup_steps} steps, mean of {args.steps}; "
