@@ -80,7 +80,7 @@ def fill_window_rows(record: SlotRecord, slot: int, drafts: List[int], token_bit
             elif j > 0 and (cursor is None or not cursor.accept(drafts[j - 1]) or cursor.matcher.is_terminated()):
                 return None  # a rejected draft, or a stop token drafted: the request ends there if accepted
             if walk is not None and not walk.ended:
-                token_mask[row] = rows.fill(token_bitmask, row, walk, guided=cursor is not None)
+                masked[row] = rows.fill(token_bitmask, row, walk, guided=cursor is not None)
                 continue
             if cursor is None:
                 return None  # an unguided answer
