@@ -18,6 +18,14 @@ cycled; greedy, ``--max-tokens``), runs ``--warmup-steps`` steps, then times
 (bitmask applied, sampling) and the rest (host).  It prints one line per
 row count.  No peer: this measures a share of tpguide's own step.
 
+The bitmask fill (``Driver.fill_bitmask``) runs in a thread while the
+forward runs: here the CPU forward hides it, so it is not in the host
+figure.  On a GPU the forward is queued and the step waits for the fill, so
+the line gives its time alone ("fill": the last timed step's rows filled
+again on the main thread, the best of 10).  Then it times
+``--steps`` more steps as :meth:`Engine.generate` runs them, building only
+the finished requests' outputs ("generate's steps").
+
 Usage::
 
     python benchmarks/bench_step_host.py [--rows 32,128] [--warmup-steps 60] [--steps 30] [--max-tokens 1024]
@@ -56,11 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_steps(engine, steps: int):
-    """``(wall, forward, sample)`` seconds per step over ``steps`` steps, and the last step's outputs."""
-    runner = engine.runner
+def time_steps(engine, steps: int, finished_only: bool = False):
+    """``(wall, forward, sample)`` seconds per step over ``steps`` steps, the last step's outputs and plan.
+
+    ``finished_only``: the steps of :meth:`Engine.generate`, which builds no output for a running request.
+    """
+    runner, driver = engine.runner, engine.driver
     spent = {"forward": 0.0, "sample": 0.0}
-    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+    planned = []
+    execute_model, sample_tokens, plan_step = runner.execute_model, runner.sample_tokens, driver.plan_step
 
     def timed(fn, key):
         def call(*args, **kwargs):
@@ -71,15 +83,38 @@ def time_steps(engine, steps: int):
                 spent[key] += time.perf_counter() - start
         return call
 
+    def kept(*args):
+        planned[:] = [plan_step(*args)]
+        return planned[0]
+
     runner.execute_model, runner.sample_tokens = timed(execute_model, "forward"), timed(sample_tokens, "sample")
+    driver.plan_step = kept  # the engine looks it up at each step
     try:
         start = time.perf_counter()
         for _ in range(steps):
-            outs = engine.step()
+            outs = engine.step(finished_only)
         wall = time.perf_counter() - start
     finally:
         runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
-    return wall / steps, spent["forward"] / steps, spent["sample"] / steps, outs
+        del driver.plan_step
+    return wall / steps, spent["forward"] / steps, spent["sample"] / steps, outs, planned[0]
+
+
+def time_fill(driver, planned, repeats: int = 10) -> float:
+    """Seconds of the bitmask fill of ``planned``'s rows (the matchers as they are now), alone: the best of ``repeats``.
+
+    The fill rolls every matcher back (docs/architecture.md §5), so it can be
+    repeated.  In a step it runs in a thread beside the forward; on this CPU
+    the forward hides it, on a GPU the step waits for it.
+    """
+    if not planned.plan.guided:
+        return 0.0
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        driver.fill_bitmask(planned)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main(argv=None) -> int:
@@ -107,13 +142,16 @@ def main(argv=None) -> int:
             engine.wait_for_admissions()
             for _ in range(args.warmup_steps):
                 engine.step()
-            wall, forward, sample, outs = time_steps(engine, args.steps)
+            wall, forward, sample, outs, planned = time_steps(engine, args.steps)
+            fill = time_fill(engine.driver, planned)
+            quiet = time_steps(engine, args.steps, finished_only=True)
         finally:
             engine.shutdown()
         mean_len = sum(len(o.token_ids) for o in outs) / max(1, len(outs))
         lines.append(f"{rows:5d} rows ({len(outs):3d} active, {mean_len:5.0f} tokens each): step {wall * 1e3:6.1f} ms"
                      f" = forward {forward * 1e3:5.1f} + sampling {sample * 1e3:5.1f} + host "
-                     f"{(wall - forward - sample) * 1e3:5.1f} ms")
+                     f"{(wall - forward - sample) * 1e3:5.1f} ms (generate's steps "
+                     f"{(quiet[0] - quiet[1] - quiet[2]) * 1e3:4.1f}); fill {fill * 1e3:4.1f} ms (alone)")
     source = args.requests if args.requests.is_file() else "built-in (no --requests file)"
     print(f"\nhost side of a step (1-layer model, vocabulary 49152, {args.threads} thread(s), "
           f"drafts {'on' if args.drafts else 'off'}, after {args.warmup_steps} steps, mean of {args.steps}; "

@@ -64,6 +64,10 @@ def test_single_allowed_token():
     assert single_allowed_token(token_ids_to_bitmask_row([3, 40], 64), 64) is None
     assert single_allowed_token(token_ids_to_bitmask_row([3, 4], 64), 64) is None
     assert single_allowed_token(torch.zeros(2, dtype=torch.int32), 64) is None
+    assert single_allowed_token(token_ids_to_bitmask_row([62], 64), 60) is None  # an id >= vocab_size
+    rows = torch.stack([token_ids_to_bitmask_row([3, 4], 96), token_ids_to_bitmask_row([70], 96)])
+    token = single_allowed_token(rows[1], 96)  # a row of a bitmask, as the drafter passes it
+    assert token == 70 and type(token) is int
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -6,6 +6,7 @@ import torch
 from tpguide.guided.bitmask import (
     allocate_token_bitmask,
     find_dead_end_rows,
+    row_is_dead_end,
     split_bitmask,
     token_ids_to_bitmask_row,
     unpack_bitmask,
@@ -70,6 +71,24 @@ def test_bits_beyond_padded_vocab_do_not_count():
     assert find_dead_end_rows(bitmask, padded).tolist() == [True, False]
     # Stricter check with org_vocab_size: a row allowing only padded ids is dead.
     assert find_dead_end_rows(bitmask, 49156).tolist() == [True, True]
+
+
+@pytest.mark.parametrize("padded", [49157, 49156, 49152, 32011, 64])
+def test_row_is_dead_end_matches_the_rows_check(padded):
+    """The fill's one-row check (numpy view) against find_dead_end_rows and the bool oracle."""
+    words = get_bitmask_size(padded)
+    bitmask = torch.zeros(7, words, dtype=torch.int32)
+    bitmask[1, 0] = 1  # token 0
+    bitmask[2, -1] = -(1 << 31)  # only the last word's top bit
+    bitmask[3, -1] = 1 << 4  # token 32 * (words - 1) + 4
+    bitmask[4, words // 2] = -1
+    bitmask[5] = -1
+    last = 1 << ((padded - 1) % 32)
+    bitmask[6, -1] = last - (1 << 32) if last >= 1 << 31 else last  # token padded - 1
+    oracle = [not unpack_bitmask(bitmask[r], words * 32)[:padded].any() for r in range(7)]
+    rows = find_dead_end_rows(bitmask, padded).tolist()
+    assert rows == oracle and oracle[0] and not oracle[1]
+    assert [row_is_dead_end(bitmask.numpy(), r, padded) for r in range(7)] == oracle
 
 
 def test_dead_end_input_errors():

@@ -254,10 +254,13 @@ class Driver:
         return BitmaskSlices(filled.token_mask, split_bitmask(filled.token_bitmask, tp_size))
 
     def finish_step(self, planned: PlannedStep, result: StepResult,
-                    filled: Optional[Filled] = None) -> List[RequestOutput]:
+                    filled: Optional[Filled] = None, finished_only: bool = False) -> List[RequestOutput]:
         """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
 
         ``filled``: the step's bitmask fill (:meth:`fill_bitmask`), None for an unguided step.
+        ``finished_only``: only the finished requests' outputs; a running
+        request's new tokens are marked reported without an output
+        (:meth:`~tpguide.engine.engine.Engine.step`).
         """
         self.finisher.record_prompt_logprobs(planned, result)
         self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else ())
@@ -268,8 +271,13 @@ class Driver:
                 self.kv.cache_final_blocks(req)  # full blocks of accepted tokens: reusable by later prefixes
             if req.is_finished:
                 self._release(req)
-            if req.is_finished or len(req.output_token_ids) > req.num_reported_tokens:
+            if req.is_finished:
                 outputs.append(self.output_of(req))
+            elif len(req.output_token_ids) > req.num_reported_tokens:
+                if finished_only:  # nobody reads it: the delta is passed over, the final output starts after it
+                    req.num_reported_tokens = len(req.output_token_ids)
+                else:
+                    outputs.append(self.output_of(req))
         return outputs
 
     def _release(self, req: Request) -> None:

@@ -206,8 +206,16 @@ class Engine:
         spec = self._require_driver().spec
         return spec.stats.summary(spec.method, spec.num_speculative_tokens) if spec is not None else None
 
-    def step(self) -> List[RequestOutput]:
+    def step(self, finished_only: bool = False) -> List[RequestOutput]:
         """Run one engine step on every rank; the outputs that changed in it (driver).
+
+        Parameters
+        ----------
+        finished_only : bool
+            Report only the requests that finished (:meth:`generate`): a
+            running request's output is not built (nor its text advanced),
+            its new tokens are only marked reported, so each final output is
+            the one a ``False`` run returns.  docs/gpu.md "The host side of a step".
 
         Returns
         -------
@@ -235,7 +243,7 @@ class Engine:
         bitmask = drv.bitmask_slices(filled, self.group.tp_size) if filled is not None else None
         result = self.runner.sample_tokens(planned.plan, forward, bitmask)
         with self._between_steps():
-            return outputs + drv.finish_step(planned, result, filled)
+            return outputs + drv.finish_step(planned, result, filled, finished_only)
 
     def _draft_with_head(self, drv: Driver, scheduled) -> List[List[int]]:
         """The draft-head drafting loop (a collective): a DRAFT message per iteration, every rank drafts."""
@@ -289,7 +297,7 @@ class Engine:
                 # however long each compile takes (later arrivals join between steps)
                 self.wait_for_admissions()
             while self.has_unfinished_requests():
-                outputs = self.step()  # reports its own failures to the other ranks
+                outputs = self.step(finished_only=True)  # reports its own failures to the other ranks
                 with self._between_steps():
                     for out in outputs:
                         if out.finished:

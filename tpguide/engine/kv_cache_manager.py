@@ -107,13 +107,16 @@ class KVCacheManager:
 
         ``cached_blocks``: a hit of :meth:`cached_prefix`, for a request that holds no blocks yet.
         """
-        assert not cached_blocks or not req.block_ids, "a cached prefix is taken only by a request without blocks"
         need = self.blocks_for(num_tokens) - len(req.block_ids) - len(cached_blocks)
-        reclaimed = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)  # free now, in use after the touch
-        if need > self.pool.num_free - reclaimed:
+        if cached_blocks:  # (a decode step has none: its path is the short one)
+            assert not req.block_ids, "a cached prefix is taken only by a request without blocks"
+            reclaimed = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)  # free now, in use after the touch
+            if need > self.pool.num_free - reclaimed:
+                return False
+            self.pool.touch(cached_blocks)
+            req.block_ids.extend(cached_blocks)
+        elif need > self.pool.num_free:
             return False
-        self.pool.touch(cached_blocks)
-        req.block_ids.extend(cached_blocks)
         req.num_cached_blocks = len(req.block_ids)  # the hit blocks are cached already
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))

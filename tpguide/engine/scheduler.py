@@ -25,10 +25,13 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Deque, Dict, List, Optional
 
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.request import Request
+
+_admit_order = attrgetter("admit_order")  # oldest first
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Scheduler:
 
     def decoding(self) -> List[Request]:
         """The running requests past their prompt, oldest first: those a step decodes (and may draft for)."""
-        return [r for r in sorted(self.running.values(), key=lambda r: r.admit_order) if not r.is_prefill]
+        return [r for r in sorted(self.running.values(), key=_admit_order) if not r.is_prefill]
 
     def schedule(self, drafts: Optional[Dict[int, List[int]]] = None) -> List[ScheduledRequest]:
         """Pick this step's work; admitted requests get a slot, every scheduled one its KV blocks.
@@ -150,21 +153,21 @@ class Scheduler:
         """
         drafts = drafts or {}
         seqs = _StepSeqs()
-        order = sorted(self.running.values(), key=lambda r: r.admit_order)  # oldest first
-        decoding = self.decoding()
+        order = sorted(self.running.values(), key=_admit_order)  # oldest first
+        decoding = [r for r in order if not r.is_prefill]  # self.decoding(), from the same sort
         preempted_before = self.num_preemptions
-        for req in list(decoding):
+        for i, req in enumerate(decoding):
             budget = self.max_num_batched_tokens - seqs.num_tokens
             if budget == 0:
                 break
-            decoding.remove(req)  # drafts never take the golden token of a later decode
             if self.running.get(req.slot) is not req:
                 continue  # preempted by an older request this step
-            spare = budget - len(decoding)
+            spare = budget - (len(decoding) - 1 - i)  # drafts never take the golden token of a later decode
             kept = list(drafts.get(req.slot, ()))[:max(spare - 1, 0)]
-            if self._allocate_or_preempt(req, req.num_tokens + len(kept), seqs):
+            num_tokens = req.num_tokens
+            if self._allocate_or_preempt(req, num_tokens + len(kept), seqs):
                 seqs.append(ScheduledRequest(req, req.slot, [req.output_token_ids[-1]] + kept,
-                                             req.num_tokens - 1, False, True, len(kept)))
+                                             num_tokens - 1, False, True, len(kept)))
         for req in order:
             budget = self.max_num_batched_tokens - seqs.num_tokens
             if budget > 0 and req.is_prefill and self.running.get(req.slot) is req:
@@ -199,7 +202,7 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_tokens: int, seqs: "_StepSeqs") -> bool:
         """Blocks for ``num_tokens`` positions of ``req``, preempting the newest requests; False if ``req`` itself went."""
         while not self.kv.allocate(req, num_tokens):
-            victim = max(self.running.values(), key=lambda r: r.admit_order)
+            victim = max(self.running.values(), key=_admit_order)
             self._preempt(victim, seqs)
             if victim is req:
                 return False
@@ -218,7 +221,7 @@ class Scheduler:
             req.prompt_logprobs.clear()  # recomputed with the prompt
         req.num_computed_tokens = 0
         self.preempted.append(req)
-        self.preempted.sort(key=lambda r: r.admit_order)
+        self.preempted.sort(key=_admit_order)
         self.num_preemptions += 1
         print(f"[rank 0] KV cache full: preempted request {req.request_id!r} ({req.num_tokens} tokens, {freed} "
               f"blocks freed; {self.kv.pool.num_free} of {self.kv.num_blocks} free); it will be recomputed",

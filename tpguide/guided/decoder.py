@@ -28,10 +28,9 @@ many-core drivers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -199,19 +198,17 @@ class GuidedDecoder:
 
     # ---- drafts ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def drafting(self, slot: int) -> Iterator[DraftCursor]:
-        """A cursor on ``slot``'s matcher, rolled back when the block ends (:func:`~tpguide.guided.draft_cursor.drafting`).
+    def drafting(self, slot: int) -> DraftCursor:
+        """A cursor on ``slot``'s matcher, rolled back when its ``with`` block ends (:func:`~tpguide.guided.draft_cursor.drafting`).
 
         Raises
         ------
         KeyError
             ``slot`` is not guided.
         ValueError
-            The rollback failed (an engine bug).
+            The rollback failed, at the block's end (an engine bug).
         """
-        with drafting(self._records[slot].matcher) as cursor:
-            yield cursor
+        return drafting(self._records[slot].matcher)
 
     def accepted_prefix(self, slot: int, drafts: Sequence[int]) -> List[int]:
         """The longest prefix of ``drafts`` the rows allow from ``slot``'s state, ending at a stop token.
