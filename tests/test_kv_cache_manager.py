@@ -86,6 +86,26 @@ def test_blocks_holding_drafts_are_not_cached():
     assert r.num_cached_blocks == 1
 
 
+def test_blocks_of_generated_tokens_are_cached_once_full():
+    """A decode step's allocation must not mark the partly filled last block as cached (it was, and then never was)."""
+    kv = KVCacheManager(8, BS)
+    r = _req(0, range(6))  # blocks: [0 1 2 3] [4 5 . .]
+    assert kv.allocate(r, 6)
+    r.num_computed_tokens = 6
+    kv.cache_final_blocks(r)
+    assert r.num_cached_blocks == 1
+    for token in (50, 51, 52, 53):  # decode steps: 6 -> 10 tokens, the second block fills with output tokens
+        r.output_token_ids.append(token)
+        assert kv.allocate(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_final_blocks(r)
+    assert r.num_cached_blocks == 2
+    blocks = list(r.block_ids)
+    kv.free(r)
+    follow_up = _req(1, [0, 1, 2, 3, 4, 5, 50, 51, 52, 60])  # the next turn's prompt: prompt + output + more
+    assert kv.cached_prefix(follow_up, 10) == (blocks[:2], 8)
+
+
 def test_refusal_names_the_numbers():
     with pytest.raises(ValueError, match=r"prompt = 70 tokens need 18 KV blocks of 4 tokens, but the KV cache "
                                          r"holds 16 blocks \(64 tokens"):

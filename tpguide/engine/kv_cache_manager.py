@@ -115,9 +115,10 @@ class KVCacheManager:
                 return False
             self.pool.touch(cached_blocks)
             req.block_ids.extend(cached_blocks)
+            req.num_cached_blocks = len(cached_blocks)  # the hit blocks are cached already
         elif need > self.pool.num_free:
             return False
-        req.num_cached_blocks = len(req.block_ids)  # the hit blocks are cached already
+        # (any other block is cached by cache_final_blocks once full of final tokens, generated ones included)
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
