@@ -58,7 +58,7 @@ def add_engine_flags(p: argparse.ArgumentParser, default_max_new_tokens: int = 6
                         "(default: every reduction in a fixed order, see docs/exactness.md)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA (the default): persistent step buffers without host syncs, and at tp 1 with the "
-                        "TP-invariant model a CUDA graph replayed per token-count bucket; the first steps of each "
+                        "TP-invariant model a CUDA graph replayed per token-count bucket; the first 2 steps of each "
                         "bucket are checked bit for bit against the eager step, which a difference or a failed "
                         "capture falls back to (docs/gpu.md).  --no-cuda-graphs: every step eagerly")
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
