@@ -26,9 +26,9 @@ sys.path.insert(0, "launch")
 engine_module = __import__("tpguide.engine.engine", fromlist=["Engine"])
 seen = {}
 original_step = engine_module.Engine.step
-def step(self):
+def step(self, *args, **kwargs):
     seen.setdefault("before_first_step", [m for m in %r if m in sys.modules])
-    return original_step(self)
+    return original_step(self, *args, **kwargs)
 engine_module.Engine.step = step
 status = runpy.run_path("launch/generate.py", run_name="probe")["run"](json.loads(sys.argv[1]))
 assert status == 0, status
