@@ -42,7 +42,7 @@ def test_zeroed_pool_empty_shape_and_bad_shape():
         zeroed_pool([2, -1], torch.float32, CPU)
 
 
-def test_a_pool_larger_than_the_available_memory_fails_at_start(monkeypatch, tmp_path):
+def test_a_pool_larger_than_the_available_memory_fails_at_start(monkeypatch, tmp_path, ckpt):
     import tpguide.model.zeroed_pool as zp
 
     meminfo = tmp_path / "meminfo"
@@ -51,8 +51,15 @@ def test_a_pool_larger_than_the_available_memory_fails_at_start(monkeypatch, tmp
     assert zp.available_memory_bytes(str(tmp_path / "absent")) is None
     monkeypatch.setattr(zp, "available_memory_bytes", lambda: 1024 * 1024)
     with pytest.raises(MemoryError, match=r"needs 2 MiB .* 1 MiB available"):
-        zeroed_pool([2, 2**19], torch.float16, CPU)
-    assert zeroed_pool([2, 2**18], torch.float16, CPU).shape == (2, 2**18)  # 1 MiB fits
+        zp.check_pool_fits_memory(2 * 2**20, "a test")
+    zp.check_pool_fits_memory(2**20, "a test")  # 1 MiB fits
+    # the whole pool counts, every layer's K and V: each tensor alone fits here, all of them do not
+    model = load_model(ckpt, TPGroup(), torch.float32)
+    blocks = 1024 * 1024 // model.kv_cache_block_bytes(BLOCK) + 1
+    assert 2 * len(model.model.layers) > 1 and blocks * model.kv_cache_block_bytes(BLOCK) > 2**20
+    with pytest.raises(MemoryError, match=rf"{blocks} blocks of {BLOCK} tokens, {len(model.model.layers)} layers"):
+        model.allocate_kv_cache(blocks, BLOCK, 16)
+    model.allocate_kv_cache(blocks - 1, BLOCK, 16)
 
 
 def test_zeroed_pool_off_the_cpu_is_torch_zeros():

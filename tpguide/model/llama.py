@@ -43,7 +43,7 @@ from tpguide.model.parallel_linear import (
 from tpguide.model.rotary import RotaryEmbedding
 from tpguide.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tpguide.model.vocab_shard import VocabShard
-from tpguide.model.zeroed_pool import zeroed_pool
+from tpguide.model.zeroed_pool import check_pool_fits_memory, zeroed_pool
 
 __all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "RMSNorm",
            "RotaryEmbedding"]
@@ -291,6 +291,9 @@ class LlamaForCausalLM(nn.Module):
         ------
         ValueError
             If a size is < 1 or ``max_model_len > max_position_embeddings``.
+        MemoryError
+            On the CPU, a whole pool (every layer's K and V) larger than the
+            system's available memory (:func:`~tpguide.model.zeroed_pool.check_pool_fits_memory`).
         """
         max_model_len = block_size if max_model_len is None else max_model_len
         if num_blocks < 1 or block_size < 1 or max_model_len < 1:
@@ -307,6 +310,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = None  # free the old pool before the new one is allocated
             layer.self_attn.attn.v_cache = None
+        if self.group.device.type == "cpu":  # once, for the whole pool: each layer's share alone would always fit
+            check_pool_fits_memory(num_blocks * self.kv_cache_block_bytes(block_size),
+                                   f"{num_blocks} blocks of {block_size} tokens, {len(self.model.layers)} layers")
         for layer in self.model.layers:
             layer.self_attn.attn.k_cache = zeroed_pool(shape, self.dtype, self.group.device)  # CPU: zeroed on touch
             layer.self_attn.attn.v_cache = zeroed_pool(shape, self.dtype, self.group.device)

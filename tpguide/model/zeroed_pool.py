@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["zeroed_pool", "available_memory_bytes"]
+__all__ = ["zeroed_pool", "check_pool_fits_memory", "available_memory_bytes"]
 
 
 def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -39,11 +39,6 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     ------
     ValueError
         If a dimension is negative.
-    MemoryError
-        On the CPU, a pool larger than the memory the system has available
-        (``MemAvailable``): its pages are committed only when touched, so
-        without this check such a pool would fail in the middle of a run
-        instead of at start-up, as ``torch.zeros`` did.
     """
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
@@ -56,14 +51,29 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    available = available_memory_bytes()
-    if available is not None and nbytes > available:
-        raise MemoryError(f"the KV pool needs {nbytes / 2**20:.0f} MiB ({shape} of {dtype}) but the system has "
-                          f"{available / 2**20:.0f} MiB available (MemAvailable): lower --kv-cache-memory or "
-                          "--max-num-seqs / --max-model-len")
     # frombuffer holds a reference to the mapping: it is unmapped when the last tensor on it is freed
     raw = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     return raw.view(dtype).view(shape)
+
+
+def check_pool_fits_memory(nbytes: int, what: str) -> None:
+    """Refuse a CPU pool of ``nbytes`` (all its tensors together) larger than the system's ``MemAvailable``.
+
+    A :func:`zeroed_pool`'s pages are committed only when touched, so
+    without this check a pool too large for the machine would fail in the
+    middle of a run instead of at start-up, as ``torch.zeros`` did.
+    Nothing is checked where ``/proc/meminfo`` is absent.
+
+    Raises
+    ------
+    MemoryError
+        ``nbytes > MemAvailable``; the message names both and ``what``.
+    """
+    available = available_memory_bytes()
+    if available is not None and nbytes > available:
+        raise MemoryError(f"the KV pool needs {nbytes / 2**20:.0f} MiB ({what}) but the system has "
+                          f"{available / 2**20:.0f} MiB available (MemAvailable): lower --kv-cache-memory or "
+                          "--max-num-seqs / --max-model-len")
 
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
