@@ -59,12 +59,32 @@ def _shard_invariance(m, k, n, dtype):
     return case
 
 
+def _out_dtype(dtype, out_dtype):
+    """A rounded store: the bits of the fp32 result's ``.to(out_dtype)`` (the column-parallel layers' output)."""
+    def case(device):
+        from tpguide.kernels.matmul_fixed_tiling_triton import bmm_fixed_tiling, linear_fixed_tiling
+        a, b = _randn(2, 9, 70, dtype=dtype, device=device, seed=7), _randn(2, 70, 130, dtype=dtype, device=device,
+                                                                            seed=8)
+        b[0, :, 0] = 0.0
+        b[0, 0, 0], b[0, 1, 0] = 1.0, 3 * 2.0 ** -8  # column 0 of batch 0: 1 + 3 * 2^-8, a bf16 tie rounding up
+        a[0, :, :2] = 1.0
+        view = torch.int16 if out_dtype != torch.float32 else torch.int32
+        rounded = bmm_fixed_tiling(a, b, out_dtype)
+        assert rounded.dtype == out_dtype
+        assert torch.equal(rounded.view(view), bmm_fixed_tiling(a, b).to(out_dtype).view(view))
+        x, w = a[1], b[1].t()
+        assert torch.equal(linear_fixed_tiling(x, w, out_dtype).view(view), rounded[1].view(view))
+    return case
+
+
 def _errors(device):
     from tpguide.kernels.matmul_fixed_tiling_triton import bmm_fixed_tiling
     a = torch.zeros(1, 2, 3, device=device)
     for bad in (torch.zeros(1, 4, 5, device=device), torch.zeros(1, 3, 5, device=device, dtype=torch.float16)):
         with pytest.raises(ValueError):
             bmm_fixed_tiling(a, bad)
+    with pytest.raises(ValueError, match="out_dtype"):
+        bmm_fixed_tiling(a, torch.zeros(1, 3, 5, device=device), torch.int32)
     assert torch.equal(bmm_fixed_tiling(torch.zeros(2, 3, 0, device=device), torch.zeros(2, 0, 4, device=device)),
                        torch.zeros(2, 3, 4, device=device))
 
@@ -77,6 +97,9 @@ CASES = {
     "oracle-f32-multi-tile": _against_oracle(1, 40, 96, 70, f32, True),
     "shards-f32": _shard_invariance(7, 48, 96, f32),
     "shards-bf16": _shard_invariance(3, 64, 120, bf16),
+    "out-bf16-from-bf16": _out_dtype(bf16, bf16),
+    "out-bf16-from-f32": _out_dtype(f32, bf16),
+    "out-f16-from-f16": _out_dtype(f16, f16),
     "errors": _errors,
 }
 

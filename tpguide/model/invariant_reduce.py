@@ -158,16 +158,20 @@ def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner
     store, the bits of ``.to(out_dtype)``; docs/architecture.md §6).
     """
     if use_triton(x):
-        return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner)).to(out_dtype)
+        return sum_units_fixed_order_cuda(unit_partials(x, weight, num_units, owner), out_dtype)
     return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=True, out_dtype=out_dtype)
 
 
-def sum_units_fixed_order_cuda(partials: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[U, T, O] -> [T, O]`` on the tensor's device: ``((p0 + p1) + p2) + ...``."""
-    total = partials[0].clone()
-    for u in range(1, partials.shape[0]):
-        total += partials[u]
-    return total
+def sum_units_fixed_order_cuda(partials: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp32 ``[U, T, O] -> [T, O]`` of ``out_dtype`` on the CUDA path: ``((p0 + p1) + p2) + ...``, rounded once.
+
+    One launch (:func:`tpguide.kernels.sum_units_triton.sum_units_triton`),
+    the bits of ``partials[0].clone()`` plus each later unit in place, then
+    ``.to(out_dtype)``.
+    """
+    from tpguide.kernels.sum_units_triton import sum_units_triton
+
+    return sum_units_triton(partials, out_dtype)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
@@ -183,11 +187,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
     if use_triton(x):
         from tpguide.kernels.matmul_fixed_tiling_triton import linear_fixed_tiling
 
-        return linear_fixed_tiling(x, weight).to(out_dtype)
+        return linear_fixed_tiling(x, weight, out_dtype)  # rounded at the kernel's store
     return linear_fixed_order(x, packed_weight(owner, weight), out_dtype=out_dtype)
 
 
-def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> torch.Tensor:
+def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Gather every rank's unit partials and sum the real units in unit order.
 
     Parameters
@@ -199,14 +204,16 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup) -> to
         Units before the zero padding (``U <= tp_size * U_local``).
     group : TPGroup
         The one communication point: an all-gather (nothing at tp 1).
+    out_dtype : torch.dtype
+        The result's dtype: the fp32 sum rounded once (``.to(out_dtype)``).
 
     Returns
     -------
     torch.Tensor
-        fp32 ``[T, O]``, identical on every rank and at every tp size.
+        ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size.
     """
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
     if use_triton(real):
-        return sum_units_fixed_order_cuda(real)
-    return sum_units_fixed_order(real)  # [T, O], unit order
+        return sum_units_fixed_order_cuda(real, out_dtype)
+    return sum_units_fixed_order(real).to(out_dtype)  # [T, O], unit order

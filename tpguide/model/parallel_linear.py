@@ -271,7 +271,7 @@ class RowParallelLinear(nn.Module):
                 y = units_sum_local(x, self.weight, self.num_local_units, self, x.dtype)  # [T, O], no communication
             else:
                 partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
-                y = sum_units(partials, self.num_real_units, self.group).to(x.dtype)  # the one communication point
+                y = sum_units(partials, self.num_real_units, self.group, x.dtype)  # the one communication point
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:

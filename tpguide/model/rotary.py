@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.config import ModelConfig
 
 
@@ -35,6 +36,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[..., D] -> [..., D]``: ``(x1, x2) -> (-x2, x1)`` on the two halves."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``R`` elements of each head, the rest unchanged; a new tensor.
+
+    ``x [T, H, D]``; ``cos``, ``sin`` ``[T, 1, R]`` of ``x``'s dtype (``R <= D``,
+    even); each product and the sum rounded to ``x``'s dtype (torch ops).
+    """
+    r = cos.size(-1)
+    if r == x.size(-1):
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,15 +108,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by ``positions`` int64 ``[T]``; new tensors.
 
-        The fixed-order CPU path does the same in one kernel
+        The CUDA code path rotates both in one launch with the same bits
+        (:func:`~tpguide.kernels.rotary_triton.rotary_triton`); the
+        fixed-order CPU path does the same in one kernel with the cache write
         (:func:`~tpguide.kernels.fused_cpu.rotary_fixed_order`, called by
         :meth:`~tpguide.model.attention.Attention.forward_rotary`).
         """
         cos, sin = self.cos_sin(positions, q.dtype)
-        r = self.rotary_dim
-        if r == q.size(-1):
-            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        q_rot, q_pass = q[..., :r], q[..., r:]
-        k_rot, k_pass = k[..., :r], k[..., r:]
-        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
-                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))
+        if use_triton(q):
+            from tpguide.kernels.rotary_triton import rotary_triton
+
+            return rotary_triton(q, k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
