@@ -39,7 +39,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 _OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count (a step's tokens)
 def _bmm_fixed_tiling_kernel(
     a_ptr, b_ptr, c_ptr,  # a [B, M, K], b [B, K, N], c [B, M, N] of OUT_DTYPE
     M, N, K,

@@ -15,6 +15,7 @@ from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.sampling.exchange import PerRank
+from tpguide.sampling.greedy import greedy_sample, takes_greedy_shortcut
 from tpguide.sampling.prompt_logprobs import PromptLogprobs, check_prompt_inputs, prompt_logprobs_with_exchange
 from tpguide.sampling.sampler import SamplerOutput, SamplingMetadata, check_sampler_inputs, sample_with_exchange
 
@@ -67,6 +68,8 @@ def sample(logits_shard: torch.Tensor, meta: SamplingMetadata, shard: VocabShard
     """
     exchange = GroupExchange(logits_shard, shard, group)
     check_sampler_inputs(logits_shard, meta, shard)
+    if takes_greedy_shortcut(meta, shard):  # tp 1, all greedy, no logprobs: the same output, ~10 ops
+        return greedy_sample(logits_shard, shard)
     return sample_with_exchange(exchange, meta, shard)
 
 
