@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ("_paged_attention_kernel", "_bmm_fixed_tiling_kernel", "_add_rms_norm_kernel", "_write_kv_kernel",
+KERNELS = ("_paged_attention_kernel", "_bmm_fixed_tiling_kernel", "_add_rms_norm_kernel",
            "_apply_token_bitmask_kernel", "_logsumexp_rows_kernel", "_cumsum_rows_kernel", "_rotary_kernel",
            "_sum_units_kernel")
 
@@ -56,6 +56,7 @@ def test_step_kernels_compile_for_sm90():
     assert any("HAS_SOFTCAP=True" in line and "HEAD_DIM=256" in line for line in attention), attention
     rotary = [line for line in out.splitlines() if "_rotary_kernel" in line]
     assert any("HEAD_DIM=96 ROTARY_DIM=72" in line for line in rotary), rotary  # Phi-3's partial rotary
+    assert all("WRITE_CACHE=True" in line for line in rotary), rotary  # the KV write rides on the RoPE launch
 
 
 def test_compile_only_refuses_the_interpreter():

@@ -76,6 +76,27 @@ def _module(arch):
     return case
 
 
+def _cache_write(dtype, rotary_dim):
+    """rotary_and_cache_write_triton = rotary_triton then write_kv_cache_: q, and both pools, bit for bit."""
+    def case(device):
+        from tpguide.kernels.kv_cache_write_triton import write_kv_cache_
+        from tpguide.kernels.rotary_triton import rotary_and_cache_write_triton, rotary_triton
+        q, k, cos, sin = _inputs(dtype, 5, 6, 2, 32, rotary_dim, device, seed=rotary_dim)
+        v = (torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(9)) * 2).to(dtype).to(device)
+        slots = torch.tensor([11, -1, 3, 20, -1], device=device)  # two padding tokens write nothing
+        pools = [torch.full((4, 8, 2, 32), 7.0, dtype=dtype, device=device) for _ in range(4)]
+        q_want, k_rot = rotary_triton(q, k, cos, sin)
+        write_kv_cache_(k_rot, v, pools[0], pools[1], slots)
+        q_got = rotary_and_cache_write_triton(q, k, v, cos, sin, pools[2], pools[3], slots)
+        _same_bits(q_got, q_want)
+        _same_bits(pools[2], pools[0])
+        _same_bits(pools[3], pools[1])
+        flat = pools[2].view(32, 2, 32)
+        _same_bits(flat[[11, 3, 20]], k_rot[[0, 2, 3]])
+        assert int((pools[2] != 7.0).any(dim=(2, 3)).sum()) == 3  # the 3 real tokens' rows, nothing else
+    return case
+
+
 def _errors(device):
     from tpguide.kernels.rotary_triton import rotary_triton
     q, k, cos, sin = _inputs(torch.bfloat16, 3, 2, 1, 8, 8, device, seed=1)
@@ -85,6 +106,15 @@ def _errors(device):
                         ((q.transpose(1, 2).contiguous().transpose(1, 2), k, cos, sin), "unit last stride")):
         with pytest.raises(ValueError, match=words):
             rotary_triton(*args)
+    from tpguide.kernels.rotary_triton import rotary_and_cache_write_triton
+    pool = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16, device=device)
+    slots = torch.arange(3, device=device)
+    v = k.contiguous()
+    for args, words in (((k[:2], pool, pool, slots), "need v"), ((v, pool[..., :4], pool[..., :4], slots), "caches"),
+                        ((v, pool, pool, slots.float()), "slot_mapping"),
+                        ((v, pool.float(), pool.float(), slots), "k's dtype")):
+        with pytest.raises(ValueError, match=words):
+            rotary_and_cache_write_triton(q, k, args[0], cos, sin, *args[1:])
     empty = rotary_triton(q[:0], k[:0], cos[:0], sin[:0])
     assert [tuple(x.shape) for x in empty] == [(0, 2, 8), (0, 1, 8)]
 
@@ -93,6 +123,8 @@ CASES = {
     **{f"kernel_{dt}_{h}x{kv}x{d}_r{r}": _kernel(getattr(torch, dt), h, kv, d, r)
        for dt, h, kv, d, r in (("bfloat16", 9, 3, 64, 64), ("float32", 9, 3, 64, 64), ("float16", 4, 2, 32, 32),
                                ("bfloat16", 4, 2, 32, 24), ("float32", 3, 1, 96, 72), ("bfloat16", 2, 2, 80, 80))},
+    "cache_write_bf16": _cache_write(torch.bfloat16, 32),
+    "cache_write_f32_partial": _cache_write(torch.float32, 24),
     "module_llama": _module("LlamaForCausalLM"),
     "module_phi3": _module("Phi3ForCausalLM"),
     "errors": _errors,

@@ -40,9 +40,12 @@ writes k and v into the cache in one kernel
 kernel stores its output in the model dtype (docs/architecture.md §6).
 
 With ``fixed_order`` on the CUDA code path
-(:func:`tpguide.kernels.triton_path.use_triton`) the keys and values are
-written by :func:`~tpguide.kernels.kv_cache_write_triton.write_kv_cache_`
-(slot ``-1``, a padding token, writes nothing) and attention is the Triton
+(:func:`tpguide.kernels.triton_path.use_triton`) :meth:`Attention.forward_rotary`
+rotates q and k and writes k and v into the pool in one launch
+(:func:`~tpguide.kernels.rotary_triton.rotary_and_cache_write_triton`;
+:meth:`Attention.forward`, given rotated k, writes with
+:func:`~tpguide.kernels.kv_cache_write_triton.write_kv_cache_`); slot ``-1``,
+a padding token, writes nothing.  Attention is the Triton
 kernel :func:`~tpguide.kernels.paged_attention_triton.paged_attention_fixed_order`,
 which reads the pool through the block tables: no padded gather, no mask,
 no SDPA, and a token of position ``-1`` gives a zero row (docs/gpu.md,
@@ -314,12 +317,9 @@ class Attention(nn.Module):
         rows = meta.slot_mapping(block_size)  # [T]
         if self.fixed_order and use_triton(q):  # the CUDA path (module docstring)
             from tpguide.kernels.kv_cache_write_triton import write_kv_cache_
-            from tpguide.kernels.paged_attention_triton import paged_attention_fixed_order
 
             write_kv_cache_(k, v, self.k_cache, self.v_cache, rows)
-            return paged_attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables,
-                                               meta.token_seq_index, meta.token_positions, self.scale,
-                                               self.sliding_window, self.logit_softcap).flatten(1)
+            return self._attend_paged_triton(q, meta)
         flat_k[rows] = k
         flat_v[rows] = v
         if self.fixed_order:
@@ -352,16 +352,18 @@ class Attention(nn.Module):
         return out.flatten(1)
 
     def fuses_rotary(self, q: torch.Tensor) -> bool:
-        """Whether :meth:`forward_rotary` takes ``q``: fixed order, CPU, fp32 or bf16, not the CUDA path."""
-        return self.fixed_order and takes(q) and not use_triton(q)
+        """Whether :meth:`forward_rotary` takes ``q``: fixed order, on the CUDA path or on CPU in fp32 or bf16."""
+        return self.fixed_order and (use_triton(q) or takes(q))
 
     def forward_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """RoPE of q and k, the k/v cache write and attention (fixed-order CPU path, :meth:`fuses_rotary`).
+        """RoPE of q and k, the k/v cache write and attention (fixed-order path, :meth:`fuses_rotary`).
 
         The bits of ``q, k = rotary(q, k)`` then :meth:`forward`, in two kernels:
-        :func:`~tpguide.kernels.fused_cpu.rotary_fixed_order` (rotates q and k
-        and writes k, v at the tokens' cache rows) and the attention kernel
+        one rotates q and k and writes k, v at the tokens' cache rows (CPU:
+        :func:`~tpguide.kernels.fused_cpu.rotary_fixed_order`; the CUDA path:
+        :func:`~tpguide.kernels.rotary_triton.rotary_and_cache_write_triton`,
+        padding rows' slot ``-1`` written nowhere), then the attention kernel
         storing ``q``'s dtype.
 
         Parameters
@@ -384,6 +386,12 @@ class Attention(nn.Module):
             As :meth:`forward`, or a cache row outside the pool.
         """
         block_size = self._check_cache(meta)
+        if use_triton(q):
+            from tpguide.kernels.rotary_triton import rotary_and_cache_write_triton
+
+            q = rotary_and_cache_write_triton(q, k, v, cos, sin, self.k_cache, self.v_cache,
+                                              meta.slot_mapping(block_size))
+            return self._attend_paged_triton(q, meta)
         q, _ = rotary_fixed_order(q, k, cos, sin, v, self.k_cache, self.v_cache, meta.slot_mapping(block_size))
         return self._attend_fixed_order(q, meta)
 
@@ -396,6 +404,14 @@ class Attention(nn.Module):
             raise ValueError(f"sequence length {meta.max_seq_len} exceeds its block tables' "
                              f"{meta.block_tables.size(1)} blocks x {block_size} tokens")
         return block_size
+
+    def _attend_paged_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The CUDA path's fixed-order paged attention over the written cache: ``[T, H, D] -> [T, H * D]``."""
+        from tpguide.kernels.paged_attention_triton import paged_attention_fixed_order
+
+        return paged_attention_fixed_order(q, self.k_cache, self.v_cache, meta.block_tables, meta.token_seq_index,
+                                           meta.token_positions, self.scale, self.sliding_window,
+                                           self.logit_softcap).flatten(1)
 
     def _attend_fixed_order(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The fixed-order kernel over the written cache: ``[T, H, D] -> [T, H * D]`` stored in ``q``'s dtype."""
