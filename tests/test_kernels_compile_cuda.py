@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("_paged_attention_kernel", "_bmm_fixed_tiling_kernel", "_add_rms_norm_kernel",
            "_apply_token_bitmask_kernel", "_logsumexp_rows_kernel", "_cumsum_rows_kernel", "_rotary_kernel",
-           "_sum_units_kernel")
+           "_silu_and_mul_kernel", "_sum_units_kernel")
 
 
 def _nvidia_backend() -> bool:

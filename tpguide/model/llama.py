@@ -125,6 +125,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * I/T]
+        if self.act_name == "silu" and use_triton(gate_up):  # the CUDA path: one launch (docs/gpu.md)
+            from tpguide.kernels.silu_and_mul_triton import silu_and_mul_triton
+
+            return self.down_proj(silu_and_mul_triton(gate_up))
         if self.fixed_order and takes(gate_up) and not use_triton(gate_up):
             return self.down_proj(act_and_mul(gate_up, self.act_name))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I/T] each
