@@ -97,6 +97,41 @@ def _cache_write(dtype, rotary_dim):
     return case
 
 
+def _attention_paths(device):
+    """Attention.forward_rotary (the fused launch) = rotary_triton then Attention.forward: output and pool bits."""
+    import contextlib
+    import tempfile
+    from pathlib import Path
+
+    from tpguide.dist import TPGroup
+    from tpguide.kernels.rotary_triton import rotary_triton
+    from tpguide.kernels.triton_path import forced_triton_path
+    from tpguide.model.attention import AttentionMetadata
+    from tpguide.model.loader import load_model
+    from tpguide.model.random_checkpoint import tiny_hf_config, write_random_model
+
+    d = write_random_model(Path(tempfile.mkdtemp()), tiny_hf_config("LlamaForCausalLM", 64), seed=2)
+    model = load_model(d, TPGroup(device=torch.device(device)), dtype=torch.bfloat16)
+    model.allocate_kv_cache(8, 8, max_model_len=32)
+    layer = model.model.layers[0].self_attn
+    attn, heads, kv_heads, dim = layer.attn, layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim
+    meta = AttentionMetadata.from_block_tables([[3, 1], [6]], [5, 2], [4, 0], device=device, block_size=8)
+    q, k, cos, sin = _inputs(torch.bfloat16, 7, heads, kv_heads, dim, dim, device, seed=8)
+    v = k.clone() * 0.5
+    with forced_triton_path() if device == "cpu" else contextlib.nullcontext():
+        cos, sin = layer.rotary_emb.cos_sin(meta.token_positions, q.dtype)
+        assert attn.fuses_rotary(q)
+        fused = attn.forward_rotary(q, k, v, cos, sin, meta)
+        pools = attn.k_cache.clone(), attn.v_cache.clone()
+        attn.k_cache.zero_()
+        attn.v_cache.zero_()
+        q_rot, k_rot = rotary_triton(q, k, cos, sin)
+        split = attn(q_rot, k_rot, v, meta)
+    _same_bits(fused, split)
+    _same_bits(attn.k_cache, pools[0])
+    _same_bits(attn.v_cache, pools[1])
+
+
 def _errors(device):
     from tpguide.kernels.rotary_triton import rotary_triton
     q, k, cos, sin = _inputs(torch.bfloat16, 3, 2, 1, 8, 8, device, seed=1)
@@ -125,6 +160,7 @@ CASES = {
                                ("bfloat16", 4, 2, 32, 24), ("float32", 3, 1, 96, 72), ("bfloat16", 2, 2, 80, 80))},
     "cache_write_bf16": _cache_write(torch.bfloat16, 32),
     "cache_write_f32_partial": _cache_write(torch.float32, 24),
+    "attention_paths": _attention_paths,
     "module_llama": _module("LlamaForCausalLM"),
     "module_phi3": _module("Phi3ForCausalLM"),
     "errors": _errors,
