@@ -15,7 +15,7 @@ docs/gpu.md "Kernels per decoder layer".  Two counts:
 
 Usage::
 
-    python benchmarks/kernel_counts.py [--rows 32] [--layers 30]
+    python benchmarks/kernel_counts.py [--rows 32] [--layers 30] [--shape smollm2|tiny]
 """
 
 from __future__ import annotations
@@ -79,7 +79,13 @@ def count_triton_launches(counter: Counter) -> collections.Counter:
     return launches
 
 
-def forward_kernels(layers: int, rows: int) -> collections.Counter:
+#: ``--shape``: the embedded model's heads and widths, or the test suite's tiny ones (the same kernels, faster)
+SHAPES = {"smollm2": dict(num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576,
+                          intermediate_size=1536),
+          "tiny": {}}
+
+
+def forward_kernels(layers: int, rows: int, shape: str = "smollm2") -> collections.Counter:
     """Kernels of one padded decode step's ``forward_logits`` (Triton launches and torch ops, by name)."""
     from tpguide.dist import TPGroup
     from tpguide.kernels.triton_path import forced_triton_path
@@ -88,9 +94,8 @@ def forward_kernels(layers: int, rows: int) -> collections.Counter:
     from tpguide.worker.cuda_graphs import forward_logits
     from tpguide.worker.step_inputs import StepBuffers, StepCapacity
 
-    shape = dict(num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                 hidden_size=576, intermediate_size=1536)
-    model_dir = write_random_model(Path(tempfile.mkdtemp()), tiny_hf_config("LlamaForCausalLM", 320, **shape), seed=5)
+    config = tiny_hf_config("LlamaForCausalLM", 320, num_hidden_layers=layers, **SHAPES[shape])
+    model_dir = write_random_model(Path(tempfile.mkdtemp()), config, seed=5)
     model = load_model(model_dir, TPGroup(device=torch.device("cpu")), dtype=torch.bfloat16)
     model.allocate_kv_cache(rows + 1, 16, max_model_len=64)
     buffers = StepBuffers(StepCapacity(max_tokens=rows, max_seqs=rows, max_blocks_per_seq=4, block_size=16),
@@ -130,8 +135,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=32, help="rows of the decode step (a graph bucket)")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers of the model the total is for")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="heads and widths of the model")
     args = parser.parse_args(argv)
-    one, two = forward_kernels(1, args.rows), forward_kernels(2, args.rows)
+    one, two = forward_kernels(1, args.rows, args.shape), forward_kernels(2, args.rows, args.shape)
     layer = {k: two[k] - one[k] for k in two if two[k] - one[k]}
     per_layer = sum(layer.values())
     fixed = sum(one.values()) - per_layer
