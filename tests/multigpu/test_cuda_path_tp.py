@@ -70,8 +70,9 @@ def _tp(tp_size, dtype):
 CASES = {"tp2-fp32": _tp(2, torch.float32), "tp3-bf16": _tp(3, torch.bfloat16)}
 
 
-def test_cuda_path_tp_shards_equal_tp1_interpreted_on_cpu():
-    check_in_child(__file__, list(CASES), timeout_s=900)
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_path_tp_shards_equal_tp1_interpreted_on_cpu(name):
+    check_in_child(__file__, [name], timeout_s=900)
 
 
 if __name__ == "__main__":
