@@ -1,4 +1,4 @@
-"""The model's CUDA code path on real gloo ranks: each rank's logits shard at tp 2 and 3 equals tp 1's, bit for bit.
+"""The model's CUDA code path on real gloo ranks: each rank's logits shard at tp 2 equals tp 1's, bit for bit.
 
 What only tp > 1 runs on that path: the row-parallel unit partials
 all-gathered and summed by the one-launch unit sum
@@ -6,7 +6,7 @@ all-gathered and summed by the one-launch unit sum
 heads (9 heads over 2 ranks), the vocabulary shards of the LM head.  The
 ranks run the path forced on CPU tensors with its Triton kernels
 interpreted, in a child process that sets ``TRITON_INTERPRET=1`` before any
-kernel is imported (``tests/triton_interpreted.py``); fp32 and bf16, a tiny random
+kernel is imported (``tests/triton_interpreted.py``); fp32, a tiny random
 Llama (9 heads, 3 KV heads, an odd vocabulary), a prefill step and a mixed
 step (new prompt, decodes, a second prefill chunk).  docs/gpu.md, "One step on CUDA".
 
@@ -27,7 +27,7 @@ from triton_interpreted import check_in_child, run_cases  # noqa: E402
 
 pytest.importorskip("triton")
 
-VOCAB = 1001  # odd: a padded vocabulary at tp 2 and 3
+VOCAB = 1001  # odd: a padded vocabulary at tp 2
 
 
 def _logits(group, model_dir, dtype):
@@ -66,8 +66,9 @@ def _tp(tp_size, dtype):
     return case
 
 
-#: fp32 shows a unit sum in another order (bf16 rounding hides most of it); bf16 is the GPU default
-CASES = {"tp2-fp32": _tp(2, torch.float32), "tp3-bf16": _tp(3, torch.bfloat16)}
+#: fp32 shows a unit sum in another order (bf16 rounding hides most of it); tp 2 pads 9 heads to 10, so the
+#: sum skips a padded unit (the bf16 store of the sum is tested in tests/test_kernels_sum_units.py)
+CASES = {"tp2-fp32": _tp(2, torch.float32)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
