@@ -36,17 +36,16 @@ from tpguide.kernels.triton_cast import cast_rne
 from tpguide.kernels.triton_path import compiles_for_cuda
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
-_OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count (a step's tokens)
 def _bmm_fixed_tiling_kernel(
-    a_ptr, b_ptr, c_ptr,  # a [B, M, K], b [B, K, N], c [B, M, N] of OUT_DTYPE
+    a_ptr, b_ptr, c_ptr,  # a [B, M, K], b [B, K, N], c [B, M, N] of the output dtype
     M, N, K,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
-    IEEE: tl.constexpr, ON_CUDA: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr, ON_CUDA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -70,7 +69,7 @@ def _bmm_fixed_tiling_kernel(
         else:  # the interpreter: numpy's dot is neither position-independent nor right for 16-bit floats
             acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     c = c_ptr + pid_b * stride_cb + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
-    tl.store(c, cast_rne(acc, OUT_DTYPE), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c, cast_rne(acc, c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def bmm_fixed_tiling(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -103,7 +102,7 @@ def bmm_fixed_tiling(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = 
         raise ValueError(f"a and b differ: {a.dtype} on {a.device} vs {b.dtype} on {b.device}")
     if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {a.dtype}")
-    if out_dtype not in _OUT_DTYPES:
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
     batch, m, k = a.shape
     n = b.shape[2]
@@ -115,7 +114,7 @@ def bmm_fixed_tiling(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = 
     grid = (batch, triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _bmm_fixed_tiling_kernel[grid](
         a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
-        IEEE=a.dtype == torch.float32, ON_CUDA=compiles_for_cuda(a), OUT_DTYPE=_OUT_DTYPES[out_dtype], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        IEEE=a.dtype == torch.float32, ON_CUDA=compiles_for_cuda(a), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return c
 

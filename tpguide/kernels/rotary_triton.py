@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tpguide.kernels.triton_cast import cast_rne
 
-_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _rotary_kernel(
     v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,  # WRITE_CACHE: v [T, Hkv, D], caches, slots (else unused)
     stride_vt, stride_vh, stride_cs, stride_ch,  # the caches viewed as [num_blocks * block_size, Hkv, D]
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    D_P: tl.constexpr, DTYPE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    D_P: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -61,6 +61,7 @@ def _rotary_kernel(
         else:
             dst = k_out_ptr + (t * NUM_KV_HEADS + h - NUM_HEADS) * HEAD_DIM
             keep = in_head
+    dtype = q_out_ptr.dtype.element_ty  # q, k, cos, sin and the outputs share it
     half = ROTARY_DIM // 2
     rotated = d < ROTARY_DIM
     x = tl.load(src + d, mask=in_head, other=0.0)
@@ -69,9 +70,9 @@ def _rotary_kernel(
     turned = tl.where(d < half, -xp, xp)  # rotate_half: (x1, x2) -> (-x2, x1); a negation is exact
     c = tl.load(cos_ptr + t * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d, mask=rotated, other=0.0).to(tl.float32)
-    a = cast_rne(x.to(tl.float32) * c, DTYPE).to(tl.float32)  # torch: x * cos, rounded
-    b = cast_rne(turned * s, DTYPE).to(tl.float32)  # rotate_half(x) * sin, rounded
-    y = cast_rne(a + b, DTYPE)  # their sum, rounded
+    a = cast_rne(x.to(tl.float32) * c, dtype).to(tl.float32)  # torch: x * cos, rounded
+    b = cast_rne(turned * s, dtype).to(tl.float32)  # rotate_half(x) * sin, rounded
+    y = cast_rne(a + b, dtype)  # their sum, rounded
     tl.store(dst + d, tl.where(rotated, y, x), mask=keep)
 
 
@@ -108,7 +109,7 @@ def _launch(q, k, cos, sin, q_out, k_out, cache) -> None:
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         sin.stride(0), v, k_cache, v_cache, slots, *v_strides, *cache_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim, ROTARY_DIM=cos.shape[-1],
-        D_P=triton.next_power_of_2(head_dim), DTYPE=_DTYPES[q.dtype], WRITE_CACHE=cache is not None,
+        D_P=triton.next_power_of_2(head_dim), WRITE_CACHE=cache is not None,
         enable_fp_fusion=False,
     )
 

@@ -25,18 +25,19 @@ from tpguide.kernels.triton_cast import cast_rne
 #: Columns per program.
 BLOCK = 1024
 
-_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width  # width = I: gate columns [0, I), up columns [I, 2 I)
     g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + width + cols, mask=ok, other=0.0).to(tl.float32)
-    act = cast_rne(g / (1.0 + tl.exp(-g)), DTYPE).to(tl.float32)  # torch stores silu(gate) in the model dtype
-    tl.store(out_ptr + row * stride_out + cols, cast_rne(act * u, DTYPE), mask=ok)
+    dtype = out_ptr.dtype.element_ty  # gate_up's
+    act = cast_rne(g / (1.0 + tl.exp(-g)), dtype).to(tl.float32)  # torch stores silu(gate) in the model dtype
+    tl.store(out_ptr + row * stride_out + cols, cast_rne(act * u, dtype), mask=ok)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, width // 2), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
         _silu_and_mul_kernel[(tokens, triton.cdiv(width // 2, BLOCK))](
-            gate_up, out, gate_up.stride(0), out.stride(0), width // 2, DTYPE=_DTYPES[gate_up.dtype], BLOCK=BLOCK,
+            gate_up, out, gate_up.stride(0), out.stride(0), width // 2, BLOCK=BLOCK,
             enable_fp_fusion=False,
         )
     return out

@@ -28,17 +28,17 @@ from tpguide.kernels.triton_cast import cast_rne
 #: Output elements per program.
 BLOCK = 1024
 
-_OUT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _sum_units_kernel(p_ptr, out_ptr, U, numel, stride_u, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_units_kernel(p_ptr, out_ptr, U, numel, stride_u, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
     for u in range(1, U):  # unit order: ((p0 + p1) + p2) + ...
         acc = acc + tl.load(p_ptr + u * stride_u + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, cast_rne(acc, OUT_DTYPE), mask=ok)
+    tl.store(out_ptr + offs, cast_rne(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
 def sum_units_triton(partials: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -76,5 +76,5 @@ def sum_units_triton(partials: torch.Tensor, out_dtype: torch.dtype = torch.floa
     numel = out.numel()
     if numel:
         _sum_units_kernel[(triton.cdiv(numel, BLOCK),)](partials, out, units, numel, partials.stride(0),
-                                                        OUT_DTYPE=_OUT_DTYPES[out_dtype], BLOCK=BLOCK)
+                                                        BLOCK=BLOCK)
     return out
