@@ -11,6 +11,7 @@ the pool stays ``torch.zeros`` (a device memset of HBM bandwidth).
 
 from __future__ import annotations
 
+import math
 import mmap
 from typing import Optional, Sequence
 
@@ -45,10 +46,7 @@ def zeroed_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device) 
         raise ValueError(f"shape must have dimensions >= 0, got {shape}")
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # frombuffer holds a reference to the mapping: it is unmapped when the last tensor on it is freed
