@@ -14,6 +14,10 @@ import torch
 from tpguide.guided.params import check_whitespace_mode
 from tpguide.worker.step_inputs import StepCapacity
 
+#: The most tokens one step may hold: every Triton kernel of the step is checked free of integer overflow up to
+#: it at the largest supported model sizes (``tests/test_kernels_int_ranges.py``).
+MAX_NUM_BATCHED_TOKENS = 1 << 16
+
 __all__ = ["EngineConfig", "step_capacity"]
 
 
@@ -26,7 +30,10 @@ class EngineConfig:
     max_num_seqs : int
         Requests running at once (request slots, guided bitmask rows); not tied to the KV memory.
     max_num_batched_tokens : int
-        Token budget per step; longer prompts are prefilled in chunks.
+        Token budget per step; longer prompts are prefilled in chunks.  At most
+        :data:`MAX_NUM_BATCHED_TOKENS` (65,536), the largest step whose kernel
+        offsets are checked free of int32 overflow (docs/gpu.md, "Offsets at
+        real model sizes"); more raises ValueError.
     max_model_len : int
         Prompt plus generated tokens per request.
     block_size : int
@@ -144,6 +151,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens > MAX_NUM_BATCHED_TOKENS:
+            raise ValueError(f"max_num_batched_tokens must be <= {MAX_NUM_BATCHED_TOKENS} (the largest step whose "
+                             f"kernel offsets are checked, docs/gpu.md), got {self.max_num_batched_tokens}")
         if self.guided_backend not in ("auto", "xgrammar", "llguidance"):
             raise ValueError(f"guided_backend must be 'auto', 'xgrammar' or 'llguidance', got {self.guided_backend!r}")
         check_whitespace_mode(self.json_whitespace)

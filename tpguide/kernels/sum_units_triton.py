@@ -14,7 +14,10 @@ values only: not on ``T``, its place, or the other rows.
 
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests), compiled on
 CUDA (:func:`tpguide.model.invariant_reduce.sum_units_fixed_order_cuda`);
-docs/gpu.md, "One step on CUDA".
+docs/gpu.md, "One step on CUDA".  Unit ``u`` is reached by stepping a
+64-bit pointer ``u`` times by ``stride_u``, never through the int32 product
+``u * stride_u``, which wrapped past ``2**31 - 1`` elements (a 70B
+``o_proj`` above 4,161 tokens; docs/gpu.md, "Offsets at real model sizes").
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _sum_units_kernel(p_ptr, out_ptr, U, numel, stride_u, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
-    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
-    for u in range(1, U):  # unit order: ((p0 + p1) + p2) + ...
-        acc = acc + tl.load(p_ptr + u * stride_u + offs, mask=ok, other=0.0)
+    ptrs = p_ptr + offs
+    acc = tl.load(ptrs, mask=ok, other=0.0)
+    for _unit in range(1, U):  # unit order: ((p0 + p1) + p2) + ...
+        ptrs += stride_u  # a 64-bit pointer stepped by one unit: no u * stride_u product to wrap in int32
+        acc = acc + tl.load(ptrs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, cast_rne(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
