@@ -17,7 +17,8 @@ end, so a crash loses no finished request and ``--resume`` reruns only the
 rest (see :mod:`tpguide.engine.request_io`).  A startup error (bad
 ``--model``, a tp size the model cannot use, mixed CPU/GPU ranks) or a
 failed rank makes every rank print ``[rank R] error: ...`` to stderr and
-exit 1; torchrun stops the other workers once one exits non-zero.
+exit 1; torchrun stops the other workers once one exits non-zero.  A run
+whose every request failed exits 1 too, after writing every error record.
 ``TPGUIDE_FAULT_INJECT=RANK:STEP`` kills a rank on purpose (tests only,
 :mod:`tpguide.dist.fault_inject`).
 """
@@ -131,6 +132,21 @@ def main(argv=None) -> int:
         if summary is not None:
             print(summary)
     destroy_tp_group(group)
+    return _status(outputs)
+
+
+def _status(outputs) -> int:
+    """1 (with a line on stderr) when there were requests and every one failed, else 0.
+
+    The output file holds every error record either way; the status tells a
+    script that nothing came out (e.g. a JSON request wrapped over several
+    lines: each line is a bad request).
+    """
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    if outputs and len(failed) == len(outputs):
+        print(f"[rank 0] error: no request succeeded ({len(failed)} of {len(outputs)} failed; the first: "
+              f"{failed[0].error})", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

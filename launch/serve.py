@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         return _serve_replica(engine, group, channels[0], heartbeat)
     import uvicorn
 
-    from tpguide.serving.server import make_precompile, make_server_state
+    from tpguide.serving.server import exit_when_engine_dies, make_precompile, make_server_state
     from tpguide.serving.tool_formats import choose_tool_format
 
     state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
@@ -191,6 +191,7 @@ def main(argv=None) -> int:
     server = AbortFirstServer(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                              log_level=args.log_level, timeout_graceful_shutdown=5,
                                              limit_concurrency=None))
+    exit_when_engine_dies(state, server)  # a dead loop ends the process (exit 1), not a 503 server
     dp = f" x dp_size={group.dp_size}" if group.dp_size > 1 else ""
     print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size}{dp} on "
           f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)

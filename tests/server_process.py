@@ -27,9 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> Dict[str, str]:
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                TPGUIDE_BACKEND="gloo", PYTHONUNBUFFERED="1")
+                TPGUIDE_BACKEND="gloo", PYTHONUNBUFFERED="1", **(extra or {}))
 
 
 def _launch(tp_size: int, script: str, args: Sequence[str]) -> List[str]:
@@ -42,13 +42,17 @@ def _launch(tp_size: int, script: str, args: Sequence[str]) -> List[str]:
 
 
 def run_generate(tp_size: int, lines: Sequence[Dict[str, Any]], args: Sequence[str] = (),
-                 timeout_s: float = 900.0) -> Tuple[List[Dict[str, Any]], str]:
+                 timeout_s: float = 900.0, env: Optional[Dict[str, str]] = None,
+                 expect_status: int = 0) -> Tuple[List[Dict[str, Any]], str]:
     """Run ``launch/generate.py`` on request lines; (output lines in input order, its stdout).
+
+    ``env``: extra environment variables.  ``expect_status``: the exit
+    status to expect (1 when every request fails).
 
     Raises
     ------
     RuntimeError
-        generate.py exited non-zero (its stderr is in the message).
+        generate.py exited with another status (its stderr is in the message).
     """
     import json
 
@@ -57,8 +61,8 @@ def run_generate(tp_size: int, lines: Sequence[Dict[str, Any]], args: Sequence[s
         with open(req, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(x) + "\n" for x in lines)
         cmd = _launch(tp_size, "generate.py", ["--requests", req, "--output", out, *args])
-        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
-        if res.returncode != 0:
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout_s)
+        if res.returncode != expect_status:
             raise RuntimeError(f"generate.py exited {res.returncode}:\n{res.stderr[-4000:]}")
         with open(out, encoding="utf-8") as f:
             return [json.loads(x) for x in f if x.strip()], res.stdout
@@ -72,12 +76,16 @@ class ServerProcess:
     tp_size : int
     args : sequence of str
         Extra ``serve.py`` flags.
+    env : dict, optional
+        Extra environment variables (``TPGUIDE_REQUEST_FAULT`` in the fault tests).
     startup_timeout_s : float
         Longest wait for ``/health`` (model loading on a busy machine is slow).
     """
 
-    def __init__(self, tp_size: int = 1, args: Sequence[str] = (), startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, tp_size: int = 1, args: Sequence[str] = (), startup_timeout_s: float = 600.0,
+                 env: Optional[Dict[str, str]] = None) -> None:
         self.tp_size, self.args, self.startup_timeout_s = tp_size, list(args), startup_timeout_s
+        self.env = env
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: Optional[subprocess.Popen] = None
@@ -91,7 +99,7 @@ class ServerProcess:
         return _launch(self.tp_size, "serve.py", ["--port", str(self.port), *self.args])
 
     def start(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=_env(self.env), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.wait_healthy()
         return self

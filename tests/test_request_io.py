@@ -27,8 +27,12 @@ def test_good_line_parses_with_defaults():
         (_line(colour="red"), "unknown request field"),
         (json.dumps({"id": "x"}), "exactly one of 'prompt' or 'messages'"),
         (_line(max_tokens=0), "max_tokens must be >= 1, got 0"),
-        (_line(temperature=-1), "temperature must be a number >= 0, got -1"),
+        (_line(temperature=-1), "temperature must be a finite number >= 0, got -1"),
         (_line(top_p=1.5), "top_p"),
+        (_line(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+        (_line(seed=2**63), "seed must be null or an int in [0, 2**63 - 1]"),  # found by the server fuzz
+        (_line(top_k=10**30), "top_k must be an int in [-1, 2**31)"),
+        (json.dumps({"id": "x", "prompt": "\ud800"}), "prompt is not valid Unicode (lone surrogate U+D800"),
         (json.dumps({"id": "x", "messages": [{"role": "user"}]}), "'role' and 'content'"),
     ],
 )

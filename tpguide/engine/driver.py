@@ -29,9 +29,10 @@ from tpguide.engine.drafting import head_draft_requests, propose_drafts, with_he
 from tpguide.engine.finisher import StepFinisher
 from tpguide.engine.intake import Intake, tokenize_prompt
 from tpguide.engine.kv_cache_manager import KVCacheManager
-from tpguide.engine.outputs import request_output
+from tpguide.engine.outputs import failed_output, request_output
 from tpguide.engine.planner import PlannedStep, planned_step_of
 from tpguide.engine.request import Request, RequestOutput
+from tpguide.engine.request_faults import contained, inject_fault
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.guided.thinking import Thinking
@@ -218,10 +219,12 @@ class Driver:
             if s.is_new and req.has_grammar_state:  # from the prompt's end, cached prefix or not
                 thinking = (Thinking(self.reasoning.end_token_id, req.sampling_params.thinking_token_budget)
                             if req.thinks else None)
-                try:
-                    self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
-                except ValueError as exc:
-                    req.fail(str(exc))
+                with contained(req, "schedule"):
+                    try:
+                        self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
+                    except ValueError as exc:
+                        req.fail(str(exc))
+            inject_fault(req, "step")  # tests: a fault of the step itself, outside any request's containment
         return scheduled
 
     def head_draft_requests(self, scheduled: List[ScheduledRequest]) -> List[DraftRequest]:
@@ -296,5 +299,14 @@ class Driver:
                             num_prefill_tokens=self.scheduler.num_prefill_tokens)
 
     def output_of(self, req: Request) -> RequestOutput:
-        """``req``'s output now (:func:`~tpguide.engine.outputs.request_output`): the delta since the last report."""
-        return request_output(req, self.tokenizer, self.reasoning)
+        """``req``'s output now (:func:`~tpguide.engine.outputs.request_output`): the delta since the last report.
+
+        An exception while building it fails ``req`` alone (:func:`~tpguide.engine.request_faults.contained`)
+        and reports it without text.
+        """
+        out = None
+        with contained(req, "output"):
+            out = request_output(req, self.tokenizer, self.reasoning)
+        if out is None or out.finish_reason != req.finish_reason:  # it raised (or a fault came after it)
+            return failed_output(req)
+        return out

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence, Set
 
 from tpguide.engine.planner import PlannedStep
 from tpguide.engine.request import Request
+from tpguide.engine.request_faults import contained
 from tpguide.engine.stop_strings import find_stop_string
 from tpguide.worker.protocol import StepResult
 
@@ -69,16 +70,21 @@ class StepFinisher:
             req.num_computed_tokens += len(s.token_ids)
             if req.is_finished or not s.samples:
                 continue
-            before = len(req.output_token_ids)
-            if self.spec is not None and not s.is_prefill:
-                self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step)
-            elif result.bad_rows[first_row]:
-                self._fail_bad_row(req, result, first_row, step)
-            else:
-                self._append(req, result.token_ids[first_row], result, first_row, guided, step)
-            if self.spec is not None:
-                self.spec.stats.record_pass(len(req.output_token_ids) - before)
+            with contained(req, "finish"):  # an exception fails this request alone (request_faults.py)
+                self._finish_one(req, s, first_row, result, guided, step)
             req.first_token_time = req.first_token_time or now
+
+    def _finish_one(self, req: Request, s, first_row: int, result: StepResult, guided, step: int) -> None:
+        """Append one scheduled request's sampled (or verified) tokens and check its stop conditions."""
+        before = len(req.output_token_ids)
+        if self.spec is not None and not s.is_prefill:
+            self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step)
+        elif result.bad_rows[first_row]:
+            self._fail_bad_row(req, result, first_row, step)
+        else:
+            self._append(req, result.token_ids[first_row], result, first_row, guided, step)
+        if self.spec is not None:
+            self.spec.stats.record_pass(len(req.output_token_ids) - before)
 
     def record_prompt_logprobs(self, planned: PlannedStep, result: StepResult) -> None:
         """Append this step's prompt logprobs to their requests."""

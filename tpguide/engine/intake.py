@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.request import Request
+from tpguide.engine.request_faults import contained
 from tpguide.guided.admission import admit
 from tpguide.guided.compile_service import CompileService
 
@@ -149,11 +150,13 @@ class Intake:
         drafter : GrammarDrafter, optional
             Compiles the guide's JSON layouts beside it (grammar drafts).
         """
-        try:
-            admit_request(req, self.tokenizer, self.config, self.reasoning)
-            self._check_fits_kv_cache(req)
-        except ValueError as exc:
-            req.fail(str(exc))
+        with contained(req, "admit"):  # anything but a ValueError is the server's fault, this request's alone
+            try:
+                admit_request(req, self.tokenizer, self.config, self.reasoning)
+                self._check_fits_kv_cache(req)
+            except ValueError as exc:
+                req.fail(str(exc))
+        if req.is_finished:
             return
         if req.structured_output is not None:
             self._compiles.submit(req.index, _compile_job(backend, drafter, req.structured_output,

@@ -15,7 +15,7 @@ from tpguide.engine.detokenize import DetokenizeState, detokenize_incrementally
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.guided.schema_check import validate_output
 
-__all__ = ["request_output"]
+__all__ = ["failed_output", "request_output"]
 
 
 def _texts(req: Request, tokenizer, reasoning_parser) -> Tuple[Optional[str], str]:
@@ -74,7 +74,7 @@ def request_output(req: Request, tokenizer, reasoning_parser=None) -> RequestOut
     return RequestOutput(
         request_id=req.request_id, index=req.index,
         new_token_ids=list(ids[start:]), token_ids=list(ids), text=text, reasoning=reasoning,
-        finish_reason=req.finish_reason, error=req.error,
+        finish_reason=req.finish_reason, error=req.error, server_fault=req.server_fault,
         num_prompt_tokens=len(req.prompt_token_ids),
         new_logprobs=list(req.output_logprobs[start:]) if want_logprobs else None,
         logprobs=list(req.output_logprobs) if want_logprobs else None,
@@ -83,4 +83,19 @@ def request_output(req: Request, tokenizer, reasoning_parser=None) -> RequestOut
                          and req.finish_reason != "error"
                          else None),
         elapsed_s=elapsed, guided_backend=req.guided_backend,
+    )
+
+
+def failed_output(req: Request) -> RequestOutput:
+    """The output of a request whose output could not be built (:func:`request_output` raised): no text.
+
+    ``req`` has failed (:func:`tpguide.engine.request_faults.contained`); its
+    tokens and error are reported, and its delta is marked reported.
+    """
+    start, req.num_reported_tokens = req.num_reported_tokens, len(req.output_token_ids)
+    return RequestOutput(
+        request_id=req.request_id, index=req.index, new_token_ids=list(req.output_token_ids[start:]),
+        token_ids=list(req.output_token_ids), finish_reason=req.finish_reason, error=req.error,
+        server_fault=req.server_fault, num_prompt_tokens=len(req.prompt_token_ids),
+        elapsed_s=(req.finish_time or time.perf_counter()) - req.arrival_time, guided_backend=req.guided_backend,
     )

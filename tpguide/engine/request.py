@@ -17,6 +17,8 @@ from tpguide.engine.detokenize import DetokenizeState
 
 #: Most stop strings per request, and their longest length in characters.
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
+#: The largest seed: seeds travel to every rank as int64 tensor values.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,17 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an int in [-1, 2**31) (0 or -1 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative int or null, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be null or an int in [0, 2**63 - 1] (a signed 64-bit tensor value), "
+                             f"got {self.seed!r}")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be an int in [0, 20], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
@@ -182,6 +187,7 @@ class Request:
     admit_order: int = -1  # when it first got a slot; the newest running request is preempted first
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    server_fault: bool = False  # the error is the server's (500), not the request's (tpguide/engine/request_faults.py)
     seed: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
@@ -221,11 +227,18 @@ class Request:
         """True while prompt (or, after a preemption, recomputed) tokens remain to be computed."""
         return self.num_computed_tokens < self.prefill_len
 
-    def fail(self, message: str) -> None:
-        """Finish with ``finish_reason="error"`` (first message wins)."""
-        if self.finish_reason is None:
+    def fail(self, message: str, server_fault: bool = False) -> None:
+        """Finish with ``finish_reason="error"`` (first message wins).
+
+        ``server_fault``: the server failed, not the request (an exception in
+        the driver's work for it): a server answers 500 rather than 400, and
+        it replaces a finish other than ``"error"`` (an output that could not
+        be built after ``"stop"`` is an error).
+        """
+        if self.finish_reason is None or (server_fault and self.finish_reason != "error"):
             self.finish_reason = "error"
             self.error = message
+            self.server_fault = server_fault
             self.finish_time = time.perf_counter()
 
     def finish(self, reason: str) -> None:
@@ -258,6 +271,9 @@ class RequestOutput:
         None while running, then ``"stop"``, ``"length"``, ``"error"`` or ``"abort"``.
     error : str or None
         Why the request failed (``finish_reason == "error"``).
+    server_fault : bool
+        The failure was the server's (an exception in the driver's work for
+        this request), not the request's input: the server answers 500.
     num_prompt_tokens : int
     new_logprobs, logprobs : list of dict or None
         Per-token logprobs of ``new_token_ids`` / ``token_ids`` (None unless
@@ -278,6 +294,7 @@ class RequestOutput:
     reasoning: Optional[str] = None
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    server_fault: bool = False
     num_prompt_tokens: int = 0
     new_logprobs: Optional[List[Dict[str, Any]]] = None
     logprobs: Optional[List[Dict[str, Any]]] = None
@@ -312,6 +329,8 @@ class RequestOutput:
             out["prompt_logprobs"] = self.prompt_logprobs
         if self.guided_backend is not None:
             out["guided_backend"] = self.guided_backend
+        if self.server_fault:
+            out["server_fault"] = True
         return out
 
     @classmethod

@@ -42,6 +42,7 @@ import tempfile
 from typing import Any, Dict, Iterable, List, Optional
 
 from tpguide.engine.request import Request, RequestOutput, SamplingParams
+from tpguide.engine.text_check import check_unicode
 
 REQUEST_FIELDS = frozenset(
     {"id", "messages", "prompt", "structured_output", "max_tokens", "temperature",
@@ -90,6 +91,7 @@ def parse_request(obj: Any, index: int, default_max_tokens: int) -> Request:
 
     if not isinstance(obj, dict):
         raise ValueError(f"a request line must be a JSON object, got {type(obj).__name__}")
+    check_unicode(obj)  # a lone surrogate would make the tokenizer raise (tpguide/engine/text_check.py)
     unknown = sorted(set(obj) - REQUEST_FIELDS)
     if unknown:
         raise ValueError(f"unknown request field(s) {unknown}; allowed: {sorted(REQUEST_FIELDS)}")

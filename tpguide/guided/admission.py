@@ -96,7 +96,29 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
         elif (backend_name == "xgrammar" and keyword in _COUNT_BOUNDS and isinstance(value, int)
               and value >= XGRAMMAR_BOUND_LIMIT):
             found.append((pointer, f"{keyword}={value} >= 2**31, which xgrammar treats as no bound"))
+        elif keyword == "required" and (undeclared := undeclared_required(node)):
+            found.append((pointer, f"'required' names {undeclared} that 'properties' does not declare, and no "
+                                   f"backend writes an undeclared property"))
     return found
+
+
+def undeclared_required(node: dict) -> List[str]:
+    """The names of an object schema's ``required`` that its own ``properties`` does not declare.
+
+    Neither backend writes such a property, so the grammar lets the object
+    close without it and the output fails validation afterwards (a typo:
+    ``"propertieC"`` for ``"properties"``).  Only a node that is an object
+    schema by itself (``type`` object, or ``properties``) is checked; a bare
+    ``required`` inside ``allOf`` and the like is left to the keyword table.
+    """
+    required = node.get("required")
+    kind = node.get("type")
+    is_object = "properties" in node or kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if not is_object or not isinstance(required, list):
+        return []
+    declared = node.get("properties")
+    declared = declared if isinstance(declared, dict) else {}
+    return [name for name in required if isinstance(name, str) and name not in declared]
 
 
 def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> None:

@@ -7,6 +7,7 @@ runs it with uvicorn on rank 0 while the engine loop thread steps the engine.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import time
@@ -17,11 +18,12 @@ from typing import Any, Callable, Dict, List, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tpguide.engine.text_check import find_invalid_text
 from tpguide.serving.engine_loop import EngineDead, EngineLoop
 from tpguide.serving.errors import APIError, bad_request
 from tpguide.serving.metrics import ServerMetrics
 from tpguide.serving.protocol import ParsedRequest, parse_request
-from tpguide.serving.responses import TokenText, build_answer, usage
+from tpguide.serving.responses import TokenText, build_answer, error_of, usage
 from tpguide.serving.sse import DONE, ChoiceStream, chunk, sse_event
 from tpguide.serving.tool_formats import ToolSetup, hermes
 
@@ -110,9 +112,13 @@ def create_app(state: ServerState) -> FastAPI:
             if len(raw) > state.max_body_bytes:
                 raise _too_large(len(raw), state.max_body_bytes)
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {type(exc).__name__}: {exc}") from exc
+        invalid = find_invalid_text(body)  # a lone surrogate: refused here, naming the client's field
+        if invalid is not None:
+            raise bad_request(invalid)
+        return body
 
     async def _handle(request: Request, endpoint: str):
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -171,8 +177,8 @@ def create_app(state: ServerState) -> FastAPI:
                         raise APIError(503, "the server is shutting down: request aborted", "server_error",
                                        code="shutting_down")
                     raise APIError(499, "the client closed the request", "client_closed_request")
-                if item.finish_reason == "error" and not item.token_ids:  # refused at admission: 400 now
-                    raise bad_request(item.error or "request failed")
+                if item.finish_reason == "error" and not item.token_ids:  # refused or failed before a token
+                    raise error_of(item)
                 if item.finished:
                     finals[item.request_id] = item
         finally:
@@ -190,7 +196,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, str(first), "server_error", code="engine_dead")
         if first.finish_reason == "error" and not first.token_ids:
             state.loop.abort(ids)
-            raise bad_request(first.error or "request failed")
+            raise error_of(first)
         created = int(time.time())
         order = {i: k for k, i in enumerate(ids)}
         streams = [ChoiceStream(parsed, k, state.tokenizer, token_text, parsed.lines[k].get("stop"))
@@ -210,7 +216,7 @@ def create_app(state: ServerState) -> FastAPI:
                                                      "server_error", code="shutting_down").to_json())
                         break
                     if item.finish_reason == "error":
-                        yield sse_event(APIError(500, f"generation failed: {item.error}", "server_error").to_json())
+                        yield sse_event(error_of(item).to_json())
                         finals[item.request_id] = item
                         break
                     for entry in streams[order[item.request_id]].on_output(item):  # one choice per chunk
@@ -256,7 +262,8 @@ class _LimitsMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             err = None
-            if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            if self.api_key is not None and not _same_secret(headers.get("authorization", ""),
+                                                             f"Bearer {self.api_key}"):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                "authentication_error", code="invalid_api_key")
             length = headers.get("content-length", "")
@@ -266,6 +273,11 @@ class _LimitsMiddleware:
                 await _error_response(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _same_secret(given: str, expected: str) -> bool:
+    """Compare a credential in constant time (``hmac.compare_digest`` on bytes: no early exit to time)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
 
 
 def _too_large(size: int, limit: int) -> APIError:

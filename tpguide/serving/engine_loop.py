@@ -13,9 +13,15 @@ so the other ranks, waiting in a broadcast, never reach the collective
 timeout, and a dead rank still fails the next heartbeat within
 ``heartbeat_s`` plus the time gloo takes to see a closed socket.
 
-An exception in the engine (a dead rank, a failed collective) ends the
-thread: every waiting request gets :class:`EngineDead`, ``alive`` turns
-False (``/health`` answers 503) and new requests get 503.
+A fault in one request's own work (admitting it, its matcher, appending its
+tokens, building its output) fails that request alone, with a 500 naming
+the exception (:mod:`tpguide.engine.request_faults`); the loop steps on.
+Any other exception in the engine (a dead rank, a failed collective, a
+fault of the step itself) ends the thread: every waiting request gets
+:class:`EngineDead`, ``alive`` turns False (``/health`` answers 503), new
+requests get 503, and ``launch/serve.py`` exits non-zero within a second
+(:func:`tpguide.serving.server.exit_when_engine_dies`), so that a
+supervisor restarts it.
 
 Data parallel (docs/architecture.md §1 "Data parallel"): the front end runs
 one loop per replica (a remote one steps a
@@ -218,7 +224,11 @@ class EngineLoop:
                 return False
             if kind == "add":
                 for req in arg:
-                    self.engine.add_request(req)
+                    try:
+                        self.engine.add_request(req)  # the intake fails a bad request itself; this is the backstop
+                    except Exception as exc:  # noqa: BLE001 - this request's fault: it fails alone
+                        traceback.print_exc()
+                        self._fail_one(req, f"server error while adding the request: {type(exc).__name__}: {exc}")
             else:
                 for rid in arg:
                     with self._lock:
@@ -230,6 +240,18 @@ class EngineLoop:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+    def _fail_one(self, req, message: str) -> None:
+        """Answer one request with a server fault (500) and forget it; the loop goes on."""
+        from tpguide.engine.request import RequestOutput
+
+        with self._lock:
+            sub = self._subs.pop(req.request_id, None)
+        if sub is not None:
+            out = RequestOutput(request_id=req.request_id, index=req.index, finish_reason="error", error=message,
+                                server_fault=True)
+            self._record(sub, out, time.perf_counter())
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, out)
 
     def _abort_all(self) -> None:
         with self._lock:

@@ -84,13 +84,21 @@ def completion_logprobs(entries: Sequence[Dict[str, Any]], top: int, token_text:
             "text_offset": offsets}
 
 
+def error_of(out: Any) -> APIError:
+    """The answer to a failed output: 400 refused before any token (bad input); 500 for a server fault or a
+    generation that failed (docs/serving.md, "Faults stay with their request")."""
+    if out.server_fault:
+        return APIError(500, out.error or "server error", "server_error", code="server_fault")
+    if not out.token_ids:
+        return APIError(400, out.error or "request failed", "invalid_request_error")
+    return APIError(500, f"generation failed: {out.error}", "server_error")
+
+
 def raise_if_failed(outputs: Sequence[Any]) -> None:
-    """An errored choice fails the whole answer: 400 before any token (bad input), else 500."""
+    """An errored choice fails the whole answer (:func:`error_of`)."""
     for out in outputs:
         if out.finish_reason == "error":
-            if not out.token_ids:
-                raise APIError(400, out.error or "request failed", "invalid_request_error")
-            raise APIError(500, f"generation failed: {out.error}", "server_error")
+            raise error_of(out)
 
 
 def usage(outputs: Sequence[Any], n: int) -> Dict[str, int]:

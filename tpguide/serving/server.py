@@ -6,6 +6,8 @@ replica behind a :class:`~tpguide.serving.dp_frontend.ReplicaRouter`.
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -80,3 +82,28 @@ def make_server_state(engine, config, *, served_model_name: str, api_key, max_wa
                        max_waiting_requests=max_waiting_requests * dp_size, default_max_tokens=default_max_tokens,
                        max_model_len=config.max_model_len, guided_backend=config.guided_backend,
                        api_key=api_key, max_body_bytes=max_body_bytes, tool_format=tool_format)
+
+
+def exit_when_engine_dies(state: ServerState, server, poll_s: float = 0.2) -> threading.Thread:
+    """Start a thread that stops ``server`` (a ``uvicorn.Server``) once the engine loop has died.
+
+    A dead loop answers every request 503 while the process keeps its port,
+    so a supervisor would never restart it.  Once ``state.loop.alive`` turns
+    False without a shutdown under way, this sets ``server.should_exit``:
+    uvicorn stops within its graceful-shutdown time and ``launch/serve.py``
+    exits 1, naming the loop's error.  Data parallel: the router is alive
+    while any replica is (a dead replica's requests go to the others).
+    """
+    def watch() -> None:
+        while not server.should_exit:
+            if not state.loop.alive and not state.shutting_down:
+                print(f"[rank 0] the engine loop died ({state.loop.error}): stopping the server, exit 1",
+                      file=sys.stderr, flush=True)
+                state.shutting_down = True
+                server.should_exit = True
+                return
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="engine-watch", daemon=True)
+    thread.start()
+    return thread
