@@ -14,6 +14,8 @@ that finishes ``"stop"`` satisfies its constraint, so a request is refused up fr
   (:data:`~tpguide.guided.enforcement.MEASURED`; a ``format`` nobody measured
   counts as unenforced; xgrammar turns length/count bounds >= 2**31 into
   "unbounded"), :func:`check_enforceable`;
+* an object's ``required`` names a property its ``properties`` does not
+  declare (neither backend writes one), :func:`undeclared_required`;
 * the schema has no instance (:mod:`tpguide.guided.schema_check`, checked when
   the request is parsed);
 * the grammar's first mask allows no token (``root ::= root "x"``, the regex
