@@ -220,3 +220,49 @@ def run_formats(group, jobs, config):
     from grammar_draft_testing import run
 
     return [run(group, model_dir, lines, config) for model_dir, lines in jobs]
+
+
+def write_control_model(out_dir, tokenizer_dir, seed: int = 7) -> str:
+    """A tiny random Mistral checkpoint whose tokenizer has Mistral's control tokens (``[TOOL_CALLS]`` ...).
+
+    The tokens are added as Mistral's tokenizer has them: special in
+    ``added_tokens_decoder``, not among ``additional_special_tokens``.
+    """
+    from transformers import AutoTokenizer
+
+    tok = family_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), "mistral", MISTRAL)
+    tok_dir = Path(out_dir) / "tokenizer"
+    tok.save_pretrained(tok_dir)
+    for extra in ("generation_config.json",):
+        if (Path(tokenizer_dir) / extra).exists():
+            shutil.copy(Path(tokenizer_dir) / extra, tok_dir / extra)
+    return write_family_model(Path(out_dir) / "model", "MistralForCausalLM", MISTRAL, tok_dir, seed=seed,
+                              vocab_size=len(tok))
+
+
+def control_lines(model_dir: str, backend_cases=(("xgrammar", "required"), ("xgrammar", "named"),
+                                                 ("xgrammar", "auto"), ("llguidance", "required"))):
+    """(setup, [(case, ParsedRequest)]) on the control-token model: ``auto`` gets a bias toward ``[TOOL_CALLS]``.
+
+    Greedy, parallel calls allowed on xgrammar (llguidance: one call); xgrammar's ``required`` gets a bias toward ``,`` (the list separator)
+    so that it writes more than one call; ``auto``'s bias makes ``[TOOL_CALLS]`` the greedy first token.
+    """
+    from transformers import AutoTokenizer
+
+    from tpguide.serving.protocol import parse_request
+    from tpguide.serving.tool_formats import choose_tool_format
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    setup = choose_tool_format("auto", "MistralForCausalLM", tok, json_whitespace="compact")
+    tid = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    comma = tok.encode(",", add_special_tokens=False)[0]
+    choices = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}, "auto": "auto"}
+    out = []
+    for backend, case in backend_cases:
+        bias = {"auto": {str(tid): 60.0}, "required": {str(comma): 8.0} if backend == "xgrammar" else {}}.get(case, {})
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                "tools": [WEATHER, TIME], "tool_choice": choices[case], "temperature": 0, "max_tokens": 120,
+                "logit_bias": bias, "parallel_tool_calls": backend == "xgrammar", "logprobs": True}
+        out.append((f"{case}-{backend}", parse_request(body, "chat", f"ctl-{case}-{backend}", backend=backend,
+                                                      tool_format=setup)))
+    return setup, out
