@@ -69,13 +69,14 @@ class Scan:
 
         No call syntax is content: an unfinished call is dropped, and so is
         the start of a call cut by ``max_tokens`` (``cut``); content is None
-        when only whitespace remains, and stripped beside calls.
+        when only whitespace remains, and stripped beside calls or dropped syntax.
         """
         calls = [(c.name, c.arguments) for c in self.calls if c.complete]
         content = self.answer_content(cut)
         if not content.strip():
             return None, calls
-        return (content.strip() if calls else content), calls
+        dropped = self.open_at is not None or (cut and self.syntax_tail)
+        return (content.strip() if calls or dropped else content), calls
 
 
 def _ws(literal: str) -> str:
