@@ -10,8 +10,7 @@ import copy
 import functools
 
 import pytest
-from test_tool_formats import NAMED, TIME, WEATHER, T, W
-from tool_format_testing import FAMILY_TOKENS, MISTRAL, QWEN, family_tokenizer
+from tool_format_testing import FAMILY_TOKENS, MISTRAL, QWEN, TIME, WEATHER, family_tokenizer
 from transformers import AddedToken
 
 from tpguide.guided import StructuredOutputsParams, make_backend
@@ -23,6 +22,8 @@ from tpguide.serving.tool_formats.control_tokens import marker_text
 from tpguide.serving.tool_stream import ToolCallStream
 
 PADDED = 49216  # 49152 + the added tokens, padded to 64
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+W, T = ("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"zone": 2}')
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tpguide.guided.reasoning import THINK_END, single_token_id
 from tpguide.serving.errors import bad_request, unsupported
-from tpguide.serving.tool_formats.control_tokens import marker_text
+from tpguide.serving.tool_formats.control_tokens import MarkerText
 from tpguide.serving.tool_formats.guide import plan_guide
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 
@@ -176,7 +176,8 @@ def parse_tool_output(text: str, plan: ToolPlan, cut: bool = False) -> Tuple[Opt
     return plan.fmt.scan(text, True, plan.schemas).finished(cut)
 
 
-def tool_output_text(plan: ToolPlan, tokenizer: Any, out: Any, final: bool = True) -> str:
+def tool_output_text(plan: ToolPlan, tokenizer: Any, out: Any, final: bool = True,
+                     decoder: Optional[MarkerText] = None) -> str:
     """The text of ``out`` (an engine ``RequestOutput``) that the plan's parser reads.
 
     ``out.text`` for a format whose markers are text; for one with control
@@ -184,7 +185,9 @@ def tool_output_text(plan: ToolPlan, tokenizer: Any, out: Any, final: bool = Tru
     each marker id as its sentinel
     (:func:`~tpguide.serving.tool_formats.control_tokens.marker_text`), so
     calls are read from ids.  The answer of a thinking request is the ids
-    after ``</think>``.  ``final`` False (streaming) holds back a cut character.
+    after ``</think>``.  ``final`` False (streaming) holds back a cut character;
+    a stream passes its own ``decoder`` (a :class:`MarkerText` of the plan's
+    controls) so that each step decodes only what follows the last marker.
     """
     if not plan.fmt.controls:
         return out.text
@@ -192,7 +195,7 @@ def tool_output_text(plan: ToolPlan, tokenizer: Any, out: Any, final: bool = Tru
     if getattr(out, "reasoning", None) is not None:
         end = single_token_id(tokenizer, THINK_END)
         ids = ids[ids.index(end) + 1:] if end in ids else []
-    return marker_text(tokenizer, ids, plan.fmt.controls, final)
+    return (decoder or MarkerText(tokenizer, plan.fmt.controls)).update(ids, final)
 
 
 def tool_call_error(text: str, plan: ToolPlan) -> Optional[str]:

@@ -87,16 +87,32 @@ def marker_text(tokenizer: Any, token_ids: Sequence[int], controls: Controls, fi
     final : bool
         False while streaming: a character cut by the last token (U+FFFD at the end) is held back.
     """
-    sentinels = {tid: chr(SENTINEL_BASE + k) for k, (_, tid) in enumerate(controls)}
-    parts: List[str] = []
-    run: List[int] = []
-    for t in token_ids:
-        if int(t) in sentinels:
-            parts.append(tokenizer.decode(run, skip_special_tokens=True) if run else "")
-            parts.append(sentinels[int(t)])
-            run = []
-        else:
-            run.append(int(t))
-    parts.append(tokenizer.decode(run, skip_special_tokens=True) if run else "")
-    text = "".join(parts)
-    return text if final else text.rstrip("\ufffd")
+    return MarkerText(tokenizer, controls).update(token_ids, final)
+
+
+class MarkerText:
+    """:func:`marker_text` of a growing output, decoding only the tokens after its last control marker.
+
+    The text up to and including the last marker never changes (a marker
+    ends a decode run), so a stream's step costs the decode of the run
+    after it, not of the whole output.
+    """
+
+    def __init__(self, tokenizer: Any, controls: Controls) -> None:
+        self.tokenizer = tokenizer
+        self._sentinels = {tid: chr(SENTINEL_BASE + k) for k, (_, tid) in enumerate(controls)}
+        self._num_ids, self._text = 0, ""  # the ids through the last marker seen, and their text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if ids else ""
+
+    def update(self, token_ids: Sequence[int], final: bool = True) -> str:
+        """The text of ``token_ids`` (the whole output so far; it only grows between calls)."""
+        ids = [int(t) for t in token_ids]
+        start = self._num_ids
+        for k in range(start, len(ids)):
+            if ids[k] in self._sentinels:
+                self._text += self._decode(ids[start:k]) + self._sentinels[ids[k]]
+                start = self._num_ids = k + 1
+        text = self._text + self._decode(ids[start:])
+        return text if final else text.rstrip("\ufffd")
