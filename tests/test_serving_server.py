@@ -170,6 +170,22 @@ def test_streamed_tool_arguments(client):
         [(c.function.name, c.function.arguments) for c in full]
 
 
+def test_a_call_cut_by_max_tokens_leaves_no_syntax_in_content(client):
+    """The embedded model starts a second call in ``required`` (parallel allowed); max_tokens cuts it."""
+    kw = dict(model=MODEL, messages=user("Weather in Oslo?"), tools=[WEATHER, TIME], temperature=0,
+              tool_choice="required")
+    one = client.chat.completions.create(**kw, max_tokens=64, parallel_tool_calls=False)
+    cut_at = one.usage.completion_tokens + 4  # the first call, then 4 tokens into what follows it
+    r = client.chat.completions.create(**kw, max_tokens=cut_at)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and msg.content is None, msg
+    first = [(c.function.name, c.function.arguments) for c in one.choices[0].message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == first
+    text, reasons, _, calls = collect_stream(client.chat.completions.create(**kw, max_tokens=cut_at, stream=True))
+    assert (text, reasons) == ("", ["length"])
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())][:1] == first and len(calls) <= 2
+
+
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=user("Say hi."), temperature=0, max_tokens=8,
                                        logprobs=True, top_logprobs=3)

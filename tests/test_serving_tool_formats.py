@@ -65,6 +65,6 @@ def test_tool_calls_streamed_and_not(served, choice):
 def test_a_parser_that_contradicts_the_template_stops_the_server(tmp_path, default_model_path):
     arch, template, _ = FAMILIES["mistral"]
     model = write_family_model(tmp_path / "m", arch, template, default_model_path)
-    with pytest.raises(RuntimeError, match="renders tools with mistral calls; use --tool-call-parser mistral"):
+    with pytest.raises(RuntimeError, match="writes mistral calls; use --tool-call-parser mistral"):
         with ServerProcess(1, ["--model", model, "--tool-call-parser", "hermes", *ARGS]):
             pass

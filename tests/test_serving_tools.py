@@ -92,8 +92,8 @@ def test_parse_output_splits_content_and_calls():
     content, calls = parse_tool_output("Sure. " + CALL_W + "\n" + CALL_T, p)
     assert content == "Sure." and calls == [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": 2}')]
     assert parse_tool_output("no calls", p) == ("no calls", [])
-    cut = CALL_W[:-5]  # max_tokens inside the end tag: not a call
-    assert parse_tool_output(cut, p) == (cut, [])
+    cut = CALL_W[:-5]  # max_tokens inside the end tag: not a call, and not content either
+    assert parse_tool_output("Sure. " + cut, p, cut=True) == ("Sure.", [])
 
 
 def replay(p, text, step=3):

@@ -16,12 +16,13 @@ import json
 import pytest
 import xgrammar
 from guided_testing import load_test_backend
-from tool_format_testing import FAMILIES, GEMMA2, LLAMA31, MISTRAL, PHI4_MINI, QWEN
+from tool_format_testing import FAMILIES, GEMMA2, LLAMA31, MISTRAL, PHI4_MINI, QWEN, STYLES, family_tokenizer
 
 from tpguide.guided import StructuredOutputsParams
 from tpguide.serving.protocol import parse_request
 from tpguide.serving.tool_calls import parse_tool_output, plan_tools, tool_call_error, tool_guide
 from tpguide.serving.tool_formats import FORMATS, ToolSetup, choose_tool_format
+from tpguide.serving.tool_formats.choose import rendered_call_format
 from tpguide.serving.tool_formats.guide import call_tag
 from tpguide.serving.tool_formats.lark import structural_tag_to_lark
 from tpguide.serving.tool_stream import ToolCallStream
@@ -89,11 +90,11 @@ def test_xgrammar_formats_agree_with_the_table(name):
     assert auto.model_dump(mode="json")["format"]["triggers"] == [fmt.trigger]
 
 
-def replay(plan, text, step):
+def replay(plan, text, step, cut=False):
     """Feed ``text`` in prefixes of ``step`` characters; content and per-call (name, arguments)."""
     s, content, calls = ToolCallStream(plan), "", {}
     for k in list(range(step, len(text), step)) + [len(text)]:
-        for ev in s.feed(text[:k], final=k == len(text)):
+        for ev in s.feed(text[:k], final=k == len(text), cut=cut):
             d = ev.delta()
             if "content" in d:
                 content += d["content"]
@@ -116,8 +117,15 @@ def test_parser_and_stream_read_the_same_calls(name, step):
     streamed_content, streamed_calls = replay(plan, text, step)
     assert streamed_content.strip() == content and streamed_calls == calls
     assert parse_tool_output("no calls", plan) == ("no calls", [])
-    cut = fmt.render_calls([W])[:-2]  # max_tokens inside the call: not a call
-    assert parse_tool_output(cut, plan) == (cut, [])
+    for cut in (fmt.render_calls([W])[:-2], fmt.render_calls([W])[:len(fmt.trigger) + 5]):
+        assert parse_tool_output(cut, plan, cut=True) == (None, [])  # max_tokens inside a call: no call, no syntax
+        assert replay(plan, cut, step, cut=True)[0] == ""  # streamed: part of the call's arguments at most
+    two = fmt.render_calls([W, T])
+    opening = two.index(fmt.separator + fmt.trigger) if not fmt.block_open else None
+    if opening is not None:  # the next call's opening cut after a complete call: not content
+        cut = two[:opening + len(fmt.separator) + len(fmt.trigger) - 1]
+        assert parse_tool_output(cut, plan, cut=True) == (None, [W])
+        assert replay(plan, cut, step, cut=True) == ("", [W])
     assert parse_tool_output(fmt.render_calls([W]).replace(", ", ",  "), plan)[1] == [W]  # other spacing reads too
 
 
@@ -127,11 +135,25 @@ def _tokenizer_with(tokenizer, template):
     return tok
 
 
+@pytest.mark.parametrize("style", [0, 1], ids=["tojson", "dict-literal"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_auto_picks_the_format_of_the_family_template(name, tokenizer):
-    arch, template, _ = FAMILIES[name]
-    setup = choose_tool_format("auto", arch, _tokenizer_with(tokenizer, template))
+def test_auto_picks_the_format_of_the_family_template(name, style, tokenizer):
+    """What the template writes for a call decides, not the strings of its source (``"parameters"`` is in all)."""
+    arch = FAMILIES[name][0]
+    template = STYLES[name][style]
+    assert style == 0 or '"parameters": t.function.parameters' in template  # the source names "parameters"
+    tok = family_tokenizer(tokenizer, name, template)
+    setup = choose_tool_format("auto", arch, tok)
     assert setup.fmt.name == name and setup.template_tools and setup.prompt_role == "system"
+    control = [(t, tok.convert_tokens_to_ids(t)) for t in ("[TOOL_CALLS]",)] if name == "mistral" else []
+    assert list(setup.fmt.controls) == control  # Mistral's control token is read as its id; Qwen's <tool_call> is text
+    assert choose_tool_format(name, arch, tok).fmt.name == name  # the named format that matches is accepted
+    if name == "phi4_mini_json":  # its template renders no call: the tools listing decides, nothing contradicts
+        assert rendered_call_format(tok) is None and choose_tool_format("hermes", arch, tok).fmt.name == "hermes"
+        return
+    assert rendered_call_format(tok) == ("hermes" if name == "qwen3" else name)
+    with pytest.raises(ValueError, match="does not match the model's chat template"):
+        choose_tool_format("hermes" if name == "llama3_json" else "llama3_json", arch, tok)
 
 
 def test_auto_without_a_tool_template(tokenizer):
@@ -150,9 +172,9 @@ def test_auto_without_a_tool_template(tokenizer):
 def test_startup_errors(tokenizer):
     with pytest.raises(ValueError, match="must be 'auto' or one of"):
         choose_tool_format("pythonic", "LlamaForCausalLM", tokenizer)
-    with pytest.raises(ValueError, match="renders tools with mistral calls; use --tool-call-parser mistral"):
+    with pytest.raises(ValueError, match="writes mistral calls; use --tool-call-parser mistral"):
         choose_tool_format("hermes", "MistralForCausalLM", _tokenizer_with(tokenizer, MISTRAL))
-    with pytest.raises(ValueError, match="renders tools with hermes calls"):
+    with pytest.raises(ValueError, match="writes hermes calls"):
         choose_tool_format("llama3_json", "Qwen2ForCausalLM", _tokenizer_with(tokenizer, QWEN))
     with pytest.raises(ValueError, match="apply to hermes calls, not to llama3_json"):
         choose_tool_format("auto", "LlamaForCausalLM", _tokenizer_with(tokenizer, LLAMA31), "<call>", "</call>")
@@ -200,27 +222,3 @@ def test_lark_translation_refuses_what_it_cannot_express():
     assert json.loads(structural_tag_to_lark({"type": "structural_tag", "format": {
         "type": "json_schema", "json_schema": {"type": "object"}}}).split("%json ", 1)[1].split("\n")[0]) == {
             "type": "object"}
-
-
-def test_a_special_token_marker_is_read_from_text_without_it(default_model_path):
-    """Mistral's ``[TOOL_CALLS]`` is a control token of its tokenizer: decoded text omits it, calls are still read."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
-    tok.chat_template = MISTRAL
-    fmt = choose_tool_format("auto", "MistralForCausalLM", tok).fmt
-    assert fmt.hidden == "[TOOL_CALLS]" and fmt.render_calls([W]).startswith("[TOOL_CALLS] [")  # the guide forces it
-    plan = plan_tools([WEATHER, TIME], "auto", None, fmt)
-    written = "See [1]. " + fmt.render_calls([W, T])
-    text = tok.decode(tok.encode(written, add_special_tokens=False), skip_special_tokens=True)
-    assert "[TOOL_CALLS]" not in text
-    assert parse_tool_output(text, plan) == ("See [1].", [W, T])
-    for step in (1, 4):
-        content, calls = replay(plan, text, step)
-        assert content.strip() == "See [1]." and calls == [W, T]
-    assert tool_call_error(text, plan_tools([WEATHER, TIME], "required", None, fmt)) is None
-    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<tool_call>"]})
-    tok.chat_template = QWEN
-    with pytest.raises(ValueError, match="is a special token of this tokenizer"):
-        choose_tool_format("hermes", "Qwen2ForCausalLM", tok)

@@ -91,6 +91,55 @@ GEMMA2 = (
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
+#: A tool as a Jinja dict literal, as many real templates list tools (it holds ``"parameters"`` whatever the format).
+TOOL_DICT = ('{"type": "function", "function": {"name": t.function.name, '
+             '"description": t.function.description | default(""), "parameters": t.function.parameters}}')
+_HERMES_CALL = '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+QWEN_DICT = QWEN.replace("{{ t | tojson }}", "{{ " + TOOL_DICT + " | tojson }}").replace(
+    _HERMES_CALL, '{{ {"name": tc.function.name, "arguments": tc.function.arguments} | tojson }}')
+LLAMA31_DICT = LLAMA31.replace("{{ t | tojson(indent=4) }}", "{{ " + TOOL_DICT + " | tojson(indent=4) }}").replace(
+    '{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments | tojson }}}',
+    '{{ {"name": tc.function.name, "parameters": tc.function.arguments} | tojson }}')
+# Mistral v3's own way: the call object without its last brace, then the 9-character id
+MISTRAL_DICT = MISTRAL.replace(
+    "{{ tools | tojson }}", "[{% for t in tools %}{{ ', ' if not loop.first }}{{ " + TOOL_DICT + " | tojson }}"
+    "{% endfor %}]").replace(
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}',
+    '{% set out = {"name": tc.function.name, "arguments": tc.function.arguments} | tojson %}'
+    '{{ out[:-1] }}, "id": "{{ tc.id }}"}')
+QWEN_CODER_DICT = QWEN_CODER.replace("{{ t | tojson }}", "{{ " + TOOL_DICT + " | tojson }}")
+PHI4_MINI_DICT = PHI4_MINI.replace(
+    "{{ tools | tojson }}", "[{% for t in tools %}{{ ', ' if not loop.first }}{{ " + TOOL_DICT + " | tojson }}"
+    "{% endfor %}]")
+#: format -> its family's templates: tools through a ``tojson`` filter, and as a Jinja dict literal.
+STYLES = {"hermes": (QWEN, QWEN_DICT), "qwen3": (QWEN, QWEN_DICT), "llama3_json": (LLAMA31, LLAMA31_DICT),
+          "mistral": (MISTRAL, MISTRAL_DICT), "phi4_mini_json": (PHI4_MINI, PHI4_MINI_DICT),
+          "qwen3_coder": (QWEN_CODER, QWEN_CODER_DICT)}
+#: format -> (token, special) its family's tokenizer adds: control tokens are special in ``added_tokens_decoder``
+#: (not in ``additional_special_tokens``); Qwen 2.5 / 3 add ``<tool_call>`` as a plain added token.
+FAMILY_TOKENS = {
+    "mistral": [(t, True) for t in ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]")],
+    "llama3_json": [(t, True) for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")],
+    "phi4_mini_json": [(t, True) for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
+                                           "<|/tool|>")],
+    "hermes": [("<tool_call>", False), ("</tool_call>", False)],
+}
+FAMILY_TOKENS["qwen3"] = FAMILY_TOKENS["qwen3_coder"] = FAMILY_TOKENS["hermes"]
+
+
+def family_tokenizer(tokenizer, fmt_name: str, template: str):
+    """A copy of ``tokenizer`` with the family's added tokens (:data:`FAMILY_TOKENS`) and ``template``."""
+    import copy
+
+    from transformers import AddedToken
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in FAMILY_TOKENS[fmt_name]])
+    tok.chat_template = template
+    return tok
+
+
 #: format -> (architecture, chat template, a string the template writes when it shows the tools).
 FAMILIES = {
     "hermes": ("Qwen2ForCausalLM", QWEN, "<tools>\n{\"type\": \"function\""),
@@ -104,10 +153,11 @@ VOCAB = 49152  # SmolLM2's tokenizer
 MAX_MODEL_LEN = 1024  # a prompt with tools takes a few hundred tokens
 
 
-def write_family_model(out_dir, architecture: str, template: str, tokenizer_dir, seed: int = 0) -> str:
-    """A tiny random ``architecture`` checkpoint with SmolLM2's tokenizer and ``template`` as its chat template."""
+def write_family_model(out_dir, architecture: str, template: str, tokenizer_dir, seed: int = 0,
+                       vocab_size: int = VOCAB) -> str:
+    """A tiny random ``architecture`` checkpoint with the tokenizer of ``tokenizer_dir`` and ``template``."""
     out = Path(out_dir)
-    config = tiny_hf_config(architecture, VOCAB, tokenizer_dir, max_position_embeddings=MAX_MODEL_LEN)
+    config = tiny_hf_config(architecture, vocab_size, tokenizer_dir, max_position_embeddings=MAX_MODEL_LEN)
     write_random_model(out, config, seed=seed,
                        tokenizer_dir=tokenizer_dir)
     (out / "chat_template.jinja").write_text(template)
@@ -170,3 +220,49 @@ def run_formats(group, jobs, config):
     from grammar_draft_testing import run
 
     return [run(group, model_dir, lines, config) for model_dir, lines in jobs]
+
+
+def write_control_model(out_dir, tokenizer_dir, seed: int = 7) -> str:
+    """A tiny random Mistral checkpoint whose tokenizer has Mistral's control tokens (``[TOOL_CALLS]`` ...).
+
+    The tokens are added as Mistral's tokenizer has them: special in
+    ``added_tokens_decoder``, not among ``additional_special_tokens``.
+    """
+    from transformers import AutoTokenizer
+
+    tok = family_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), "mistral", MISTRAL)
+    tok_dir = Path(out_dir) / "tokenizer"
+    tok.save_pretrained(tok_dir)
+    for extra in ("generation_config.json",):
+        if (Path(tokenizer_dir) / extra).exists():
+            shutil.copy(Path(tokenizer_dir) / extra, tok_dir / extra)
+    return write_family_model(Path(out_dir) / "model", "MistralForCausalLM", MISTRAL, tok_dir, seed=seed,
+                              vocab_size=len(tok))
+
+
+def control_lines(model_dir: str, backend_cases=(("xgrammar", "required"), ("xgrammar", "named"),
+                                                 ("xgrammar", "auto"), ("llguidance", "required"))):
+    """(setup, [(case, ParsedRequest)]) on the control-token model: ``auto`` gets a bias toward ``[TOOL_CALLS]``.
+
+    Greedy, parallel calls allowed on xgrammar (llguidance: one call); xgrammar's ``required`` gets a bias toward ``,`` (the list separator)
+    so that it writes more than one call; ``auto``'s bias makes ``[TOOL_CALLS]`` the greedy first token.
+    """
+    from transformers import AutoTokenizer
+
+    from tpguide.serving.protocol import parse_request
+    from tpguide.serving.tool_formats import choose_tool_format
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    setup = choose_tool_format("auto", "MistralForCausalLM", tok, json_whitespace="compact")
+    tid = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    comma = tok.encode(",", add_special_tokens=False)[0]
+    choices = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}, "auto": "auto"}
+    out = []
+    for backend, case in backend_cases:
+        bias = {"auto": {str(tid): 60.0}, "required": {str(comma): 8.0} if backend == "xgrammar" else {}}.get(case, {})
+        body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris for 3 days?"}],
+                "tools": [WEATHER, TIME], "tool_choice": choices[case], "temperature": 0, "max_tokens": 120,
+                "logit_bias": bias, "parallel_tool_calls": backend == "xgrammar", "logprobs": True}
+        out.append((f"{case}-{backend}", parse_request(body, "chat", f"ctl-{case}-{backend}", backend=backend,
+                                                      tool_format=setup)))
+    return setup, out

@@ -77,7 +77,13 @@ def special_token_ids(tokenizer: Any) -> set:
     return ids
 
 
-def make_tokenizer_info(tokenizer: Any, padded_vocab_size: int, stop_token_ids: list) -> xgr.TokenizerInfo:
+#: A token text no grammar text matches (the byte 0xFF is never in UTF-8), per vocabulary type.
+_UNMATCHABLE = {xgr.VocabType.BYTE_LEVEL: "\u00ff", xgr.VocabType.BYTE_FALLBACK: "<0xFF>",
+                xgr.VocabType.RAW: b"\xff"}
+
+
+def make_tokenizer_info(tokenizer: Any, padded_vocab_size: int, stop_token_ids: list,
+                        forced_ids: frozenset = frozenset()) -> xgr.TokenizerInfo:
     """``xgr.TokenizerInfo`` whose special tokens are never matched as text.
 
     ``TokenizerInfo.from_huggingface`` keeps e.g. ``<|im_start|>`` as the literal
@@ -85,6 +91,12 @@ def make_tokenizer_info(tokenizer: Any, padded_vocab_size: int, stop_token_ids: 
     Here special ids get an empty string, which xgrammar treats as special (as
     it does padded ids); stop tokens stay allowed at the end through
     ``stop_token_ids``.  llguidance excludes special tokens by itself.
+
+    ``forced_ids``: special tokens a structural tag forces by id (a tool
+    format's control marker, docs/tool-calls.md).  xgrammar never accepts a
+    special token, so these get a text that no grammar string matches (the
+    byte 0xFF): a ``token`` node admits them, text never does (free text
+    of ``any_text`` aside, where the tag's trigger token dispatches anyway).
     """
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=padded_vocab_size, stop_token_ids=stop_token_ids
@@ -96,6 +108,8 @@ def make_tokenizer_info(tokenizer: Any, padded_vocab_size: int, stop_token_ids: 
     for token, token_id in tokenizer.get_vocab().items():
         if token_id < padded_vocab_size and token_id not in special:
             encoded_vocab[token_id] = token
+        elif token_id in forced_ids:
+            encoded_vocab[token_id] = _UNMATCHABLE[info.vocab_type]
     return xgr.TokenizerInfo(
         encoded_vocab, info.vocab_type, vocab_size=padded_vocab_size,
         stop_token_ids=stop_token_ids, add_prefix_space=info.add_prefix_space,
@@ -117,6 +131,17 @@ def make_grammar_compiler(tokenizer_info: xgr.TokenizerInfo, max_threads: int) -
     if "enable_dynamic_compilation" in inspect.signature(xgr.GrammarCompiler.__init__).parameters:
         options["enable_dynamic_compilation"] = True
     return xgr.GrammarCompiler(tokenizer_info, **options)
+
+
+def _token_ids(node: Any) -> list:
+    """The token ids a structural tag names (``token`` nodes, ``trigger_tokens``)."""
+    if isinstance(node, list):
+        return [i for item in node for i in _token_ids(item)]
+    if not isinstance(node, dict):
+        return []
+    ids = [node["token"]] if node.get("type") == "token" and isinstance(node.get("token"), int) else []
+    ids += [i for i in node.get("trigger_tokens", []) if isinstance(i, int)]
+    return ids + [i for key, value in node.items() if key != "trigger_tokens" for i in _token_ids(value)]
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -192,6 +217,19 @@ class XGrammarBackend(GuidedBackend):
         self.json_whitespace = check_whitespace_mode(json_whitespace)
         self.tokenizer_info = make_tokenizer_info(tokenizer, padded_vocab_size, self.stop_token_ids)
         self.compiler = make_grammar_compiler(self.tokenizer_info, max_threads)
+        self._tokenizer, self._max_threads = tokenizer, max_threads
+        self._special_ids = frozenset(special_token_ids(tokenizer))
+        self._forcing_compilers: dict = {}  # forced special ids -> compiler (make_tokenizer_info)
+
+    def _compiler_forcing(self, guide_text: str) -> xgr.GrammarCompiler:
+        """The compiler for a structural tag: one that admits the special tokens it forces by id, if any."""
+        forced = frozenset(i for i in _token_ids(json.loads(guide_text)) if i in self._special_ids)
+        if not forced:
+            return self.compiler
+        if forced not in self._forcing_compilers:
+            info = make_tokenizer_info(self._tokenizer, self.padded_vocab_size, self.stop_token_ids, forced)
+            self._forcing_compilers[forced] = make_grammar_compiler(info, self._max_threads)
+        return self._forcing_compilers[forced]
 
     def _compile(self, guide_type: str, guide_text: str, json_whitespace: str = "") -> xgr.CompiledGrammar:
         try:
@@ -221,7 +259,7 @@ class XGrammarBackend(GuidedBackend):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return self.compiler.compile_structural_tag(items, tag["triggers"])
-        return self.compiler.compile_structural_tag(guide_text)
+        return self._compiler_forcing(guide_text).compile_structural_tag(guide_text)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled, self.stop_bitmask_row)

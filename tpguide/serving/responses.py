@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from tpguide.serving.errors import APIError
 from tpguide.serving.protocol import ParsedRequest
 from tpguide.serving.reasoning_fields import with_reasoning
-from tpguide.serving.tool_calls import ToolPlan, parse_tool_output, tool_call_error
+from tpguide.serving.tool_calls import ToolPlan, parse_tool_output, tool_call_error, tool_output_text
 
 
 def _byte_level_decoder() -> Dict[str, int]:
@@ -119,7 +119,10 @@ def chat_message(text: str, tools: Optional[ToolPlan], finish_reason: str) -> tu
     Complete calls are tool calls whatever the finish reason (a stream has
     sent them already); ``finish_reason`` becomes ``"tool_calls"`` only for
     an output that ended by itself (``"stop"``), and then its calls must
-    parse and validate (fail closed: else a 500 naming the reason).
+    parse and validate (fail closed: else a 500 naming the reason).  No
+    call syntax reaches ``content``: a call cut by ``max_tokens`` goes
+    nowhere (``parse_tool_output``).  With ``tools``, ``text`` is
+    :func:`~tpguide.serving.tool_calls.tool_output_text`.
     """
     if tools is None:
         return {"role": "assistant", "content": text}, finish_reason
@@ -127,9 +130,9 @@ def chat_message(text: str, tools: Optional[ToolPlan], finish_reason: str) -> tu
         invalid = tool_call_error(text, tools)
         if invalid is not None:
             raise APIError(500, f"generation failed: {invalid}", "server_error")
-    content, calls = parse_tool_output(text, tools)
-    if not calls or (tools.mode == "named" and finish_reason != "stop"):
-        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse_tool_output(text, tools, cut=finish_reason == "length")
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
     reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls, tools)}, reason
 
@@ -142,7 +145,8 @@ def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any],
     choices = []
     for k, out in enumerate(outputs):
         if parsed.endpoint == "chat":
-            message, reason = chat_message(out.text, parsed.tools, out.finish_reason)  # the answer only
+            text = out.text if parsed.tools is None else tool_output_text(parsed.tools, token_text.tokenizer, out)
+            message, reason = chat_message(text, parsed.tools, out.finish_reason)  # the answer only
             message = with_reasoning(message, getattr(out, "reasoning", None), parsed.include_reasoning)
             lp = chat_logprobs(out.logprobs or [], parsed.logprobs, token_text) if parsed.logprobs is not None \
                 else None

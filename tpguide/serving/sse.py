@@ -16,7 +16,8 @@ from tpguide.serving.detokenizer import IncrementalDetokenizer, TextStream
 from tpguide.serving.protocol import ParsedRequest
 from tpguide.serving.reasoning_fields import ReasoningStream
 from tpguide.serving.responses import TokenText, chat_logprobs, completion_logprobs
-from tpguide.serving.tool_calls import tool_call_error
+from tpguide.serving.tool_calls import tool_call_error, tool_output_text
+from tpguide.serving.tool_formats.control_tokens import MarkerText
 from tpguide.serving.tool_stream import ToolCallStream
 
 DONE = "data: [DONE]\n\n"
@@ -46,6 +47,7 @@ class ChoiceStream:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = TextStream(stop or ())
         self.tools = ToolCallStream(parsed.tools) if parsed.tools is not None else None
+        self._markers = MarkerText(tokenizer, parsed.tools.fmt.controls) if parsed.tools is not None else None
         self.reasoning = ReasoningStream()
         self.started = False
         self.num_tokens = 0
@@ -90,12 +92,15 @@ class ChoiceStream:
             if delta_text or logprobs is not None:
                 entries.append(self._entry({"content": delta_text}, logprobs))
         else:
-            events = self.tools.feed(self.text.sent, final=finished)
+            plan = self.parsed.tools
+            text = tool_output_text(plan, self.detok.tokenizer, out, finished, self._markers) \
+                if plan.fmt.controls else self.text.sent
+            events = self.tools.feed(text, final=finished, cut=reason == "length")
             for k, ev in enumerate(events):
                 entries.append(self._entry(ev.delta(), logprobs if k == 0 else None))
             if not events and logprobs is not None:
                 entries.append(self._entry({}, logprobs))
-            if reason == "stop" and tool_call_error(self.text.sent, self.parsed.tools) is not None:
+            if reason == "stop" and tool_call_error(text, plan) is not None:
                 reason = "error"  # fail closed (tool_call_error): never "tool_calls" with invalid calls
             elif reason == "stop" and self.tools.num_calls:
                 reason = "tool_calls"

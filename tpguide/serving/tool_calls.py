@@ -33,7 +33,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from tpguide.guided.reasoning import THINK_END, single_token_id
 from tpguide.serving.errors import bad_request, unsupported
+from tpguide.serving.tool_formats.control_tokens import MarkerText
 from tpguide.serving.tool_formats.guide import plan_guide
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 
@@ -158,14 +160,42 @@ def tool_guide(plan: ToolPlan, backend: str) -> Dict[str, Any]:
     return plan_guide(plan.fmt, plan.mode, plan.tools, plan.parallel, backend, plan.whitespace)
 
 
-def parse_tool_output(text: str, plan: ToolPlan) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+def parse_tool_output(text: str, plan: ToolPlan, cut: bool = False) -> Tuple[Optional[str], List[Tuple[str, str]]]:
     """Split a finished output into (content, [(function name, arguments JSON text)]).
 
     Every complete call in the format's syntax is a call and the rest is
-    content (None when only whitespace).  An unfinished trailing call (the
-    output hit ``max_tokens``) stays in the content.
+    content (None when only whitespace).  No call syntax is content: an
+    unfinished call, and with ``cut`` (the output hit ``max_tokens``) the
+    start of a call cut short, go nowhere (docs/tool-calls.md).
+
+    Parameters
+    ----------
+    text : str
+        The answer as :func:`tool_output_text` gives it.
     """
-    return plan.fmt.scan(text, True, plan.schemas).finished(text)
+    return plan.fmt.scan(text, True, plan.schemas).finished(cut)
+
+
+def tool_output_text(plan: ToolPlan, tokenizer: Any, out: Any, final: bool = True,
+                     decoder: Optional[MarkerText] = None) -> str:
+    """The text of ``out`` (an engine ``RequestOutput``) that the plan's parser reads.
+
+    ``out.text`` for a format whose markers are text; for one with control
+    markers (``plan.fmt.controls``) the answer's token ids decoded with
+    each marker id as its sentinel
+    (:func:`~tpguide.serving.tool_formats.control_tokens.marker_text`), so
+    calls are read from ids.  The answer of a thinking request is the ids
+    after ``</think>``.  ``final`` False (streaming) holds back a cut character;
+    a stream passes its own ``decoder`` (a :class:`MarkerText` of the plan's
+    controls) so that each step decodes only what follows the last marker.
+    """
+    if not plan.fmt.controls:
+        return out.text
+    ids = list(out.token_ids)
+    if getattr(out, "reasoning", None) is not None:
+        end = single_token_id(tokenizer, THINK_END)
+        ids = ids[ids.index(end) + 1:] if end in ids else []
+    return (decoder or MarkerText(tokenizer, plan.fmt.controls)).update(ids, final)
 
 
 def tool_call_error(text: str, plan: ToolPlan) -> Optional[str]:

@@ -50,12 +50,15 @@ class ToolCallStream:
     def num_calls(self) -> int:
         return len(self._sent_args)
 
-    def feed(self, text: str, final: bool = False) -> List[ToolEvent]:
-        """Events for ``text`` (the whole output so far); ``final`` flushes held-back content."""
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> List[ToolEvent]:
+        """Events for ``text`` (the whole output so far, :func:`~tpguide.serving.tool_calls.tool_output_text`).
+
+        ``final`` flushes held-back content, except, with ``cut`` (the
+        output hit ``max_tokens``), the start of a call cut short: as
+        :func:`~tpguide.serving.tool_calls.parse_tool_output`, no call syntax is content.
+        """
         scan = self.plan.fmt.scan(text, final, self.plan.schemas)
-        content = scan.content
-        if final and scan.open_at is not None and not any(c.start == scan.open_at for c in scan.calls):
-            content += text[scan.open_at:]  # an unfinished call whose header never completed: plain text
+        content = scan.answer_content(cut) if final else scan.content
         events: List[ToolEvent] = []
         if len(content) > self._sent_content:
             events.append(ToolEvent(content=content[self._sent_content:]))

@@ -1,20 +1,27 @@
-"""``--tool-call-parser``: the call format of a model, chosen by name or from its family and chat template.
+"""``--tool-call-parser``: the call format of a model, chosen by name or from what its chat template writes.
 
-``auto`` reads the chat template first (the call syntax it shows:
-``[TOOL_CALLS]``, ``<tool_call>``, ``<|python_tag|>``, ``functools``), then
-a ChatML template (``<|im_start|>``: hermes, the embedded SmolLM2
-included), then the family (:data:`FAMILY_FORMATS`).  Whether the template
-renders ``tools`` is probed by rendering a probe tool.  A named format that
-contradicts the call syntax of a template that renders tools, or an unknown
-name, is a startup error (docs/tool-calls.md).
+``auto`` renders a probe conversation through the chat template (an
+assistant turn with one ``tool_calls`` entry, besides the same
+conversation without it) and takes the format whose call syntax
+(:meth:`~tpguide.serving.tool_formats.json_calls.JsonCallFormat.call_pattern`)
+the call adds to the text: what the template writes for a call, not the
+strings of its source (a hermes template whose tools listing is a Jinja
+dict literal with ``"parameters"`` stays hermes).  A template that renders
+no assistant call falls back to the call syntax its tools listing (then its
+source) shows, then a ChatML template (``<|im_start|>``: hermes, the
+embedded SmolLM2 included), then the family (:data:`FAMILY_FORMATS`).  A
+named format that contradicts the calls the template renders, or an
+unknown name, is a startup error (docs/tool-calls.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tpguide.serving.tool_formats.control_tokens import find_controls
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 from tpguide.serving.tool_formats.table import FORMATS, hermes
 
@@ -28,13 +35,18 @@ FAMILY_FORMATS = {
     "Gemma3ForCausalLM": "hermes",
     "Phi3ForCausalLM": "hermes",
 }
-#: Template markers, most specific first: (marker, format).
-_TEMPLATE_MARKERS = (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("[AVAILABLE_TOOLS]", "mistral"), ("functools", "phi4_mini_json"),
-                     ("<|tool|>", "phi4_mini_json"), ("<|python_tag|>", "llama3_json"),
-                     ('"parameters"', "llama3_json"), ('\\"parameters\\"', "llama3_json"), ("<tool_call>", "hermes"))
+#: Formats tried on a rendered call, those with an opening first (llama3_json's bare JSON object last).
+_CALL_ORDER = ("qwen3_coder", "mistral", "phi4_mini_json", "hermes", "llama3_json")
+#: The fallback for a template that renders no call: markers of a call syntax in its tools listing or source.
+_LISTING_MARKERS = (("<function=", "qwen3_coder"), ("[TOOL_CALLS]", "mistral"), ("[AVAILABLE_TOOLS]", "mistral"),
+                    ("functools", "phi4_mini_json"), ("<|tool|>", "phi4_mini_json"), ("<tool_call>", "hermes"),
+                    ("<|python_tag|>", "llama3_json"))
 #: Formats with the same call syntax (a template showing one fits the other).
 _SAME_SYNTAX = {"qwen3": "hermes"}
 _PROBE = "tpguide_probe_tool_7f3a"
+_PROBE_ID = "pr0beCa11"  # 9 alphanumerics: Mistral's templates refuse other call ids
+_PROBE_TOOLS = [{"type": "function", "function": {"name": _PROBE, "description": "probe", "parameters": {
+    "type": "object", "properties": {"tpguide_arg": {"type": "string"}}}}}]
 
 
 @dataclass(frozen=True)
@@ -84,9 +96,7 @@ def template_renders_tools(tokenizer: Any) -> bool:
     """True if the chat template shows a probe tool passed as ``tools=`` (transformers' convention)."""
     if not _template_text(tokenizer):
         return False
-    probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    text = _renders(tokenizer, [{"role": "user", "content": "hi"}], tools=probe)
+    text = _renders(tokenizer, [{"role": "user", "content": "hi"}], tools=_PROBE_TOOLS)
     return text is not None and _PROBE in text
 
 
@@ -97,10 +107,43 @@ def template_takes_system(tokenizer: Any) -> bool:
     return _renders(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]) is not None
 
 
-def template_format(tokenizer: Any) -> Optional[str]:
-    """The format whose call syntax the chat template shows, or None."""
-    text = _template_text(tokenizer)
-    return next((name for marker, name in _TEMPLATE_MARKERS if marker in text), None)
+def rendered_call_format(tokenizer: Any) -> Optional[str]:
+    """The format of the call the chat template writes for an assistant ``tool_calls`` entry, or None.
+
+    The probe conversation (a user turn, an assistant turn calling the
+    probe tool, its tool result) is rendered with arguments as an object
+    (transformers' convention), then as a JSON string, with and without
+    the tool result; the first rendering that shows the call is read.  A
+    format's :meth:`call_pattern` counts only where the call adds it to the
+    text of the same conversation without the assistant turn (so a tools
+    listing written like a call is not one).  None: no rendering shows the
+    call, or it shows it in a syntax no format has.
+    """
+    if not _template_text(tokenizer):
+        return None
+    user = {"role": "user", "content": "hi"}
+    base = _renders(tokenizer, [user], tools=_PROBE_TOOLS) or ""
+    for arguments in ({"tpguide_arg": "v"}, '{"tpguide_arg": "v"}'):
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": _PROBE_ID, "type": "function", "function": {"name": _PROBE, "arguments": arguments}}]}
+        result = {"role": "tool", "tool_call_id": _PROBE_ID, "name": _PROBE, "content": "ok"}
+        for messages in ([user, call, result], [user, call]):
+            text = _renders(tokenizer, messages, tools=_PROBE_TOOLS)
+            for name in _CALL_ORDER if text is not None else ():
+                pattern = FORMATS[name].call_pattern(_PROBE)
+                if len(re.findall(pattern, text)) > len(re.findall(pattern, base)):
+                    return name
+    return None
+
+
+def listed_format(tokenizer: Any) -> Optional[str]:
+    """The format whose call syntax the template's tools listing (else its source) mentions, or None (the fallback)."""
+    listing = _renders(tokenizer, [{"role": "user", "content": "hi"}], tools=_PROBE_TOOLS) or ""
+    for text in (listing, _template_text(tokenizer)):
+        found = next((name for marker, name in _LISTING_MARKERS if marker in text), None)
+        if found is not None:
+            return found
+    return None
 
 
 def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Optional[str] = None,
@@ -115,7 +158,9 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
     architecture : str
         The checkpoint's architecture (``config.architectures[0]``).
     tokenizer : transformers tokenizer
-        Its chat template is read and probed.
+        Its chat template is rendered (:func:`rendered_call_format`); its
+        special tokens decide which markers are control tokens
+        (:func:`with_controls`).
     begin, end : str, optional
         ``--tool-call-begin`` / ``--tool-call-end``: other hermes tags (hermes only).
     json_whitespace : str
@@ -127,26 +172,28 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
     Raises
     ------
     ValueError
-        An unknown parser name; a parser whose syntax contradicts the one
-        of a template that renders tools; begin/end tags with a non-hermes format.
+        An unknown parser name; a parser whose syntax contradicts the calls
+        the chat template renders; begin/end tags with a non-hermes format;
+        a control-token marker in an XML format.
     """
     if parser != "auto" and parser not in FORMATS:
         raise ValueError(f"--tool-call-parser must be 'auto' or one of {sorted(FORMATS)}, got {parser!r}")
-    shown, renders = template_format(tokenizer), template_renders_tools(tokenizer)
+    written, renders = rendered_call_format(tokenizer), template_renders_tools(tokenizer)
     if parser == "auto":
-        if shown is not None:
-            name = shown
-        elif "<|im_start|>" in _template_text(tokenizer):
-            name = "hermes"
+        if written is not None:
+            name = written
         else:
-            name = FAMILY_FORMATS.get(architecture, "hermes")
+            name = listed_format(tokenizer)
+            if name is None:
+                name = "hermes" if "<|im_start|>" in _template_text(tokenizer) else FAMILY_FORMATS.get(
+                    architecture, "hermes")
         if name == "hermes" and architecture == "Qwen3ForCausalLM":
             name = "qwen3"
     else:
         name = parser
-        if renders and shown is not None and _SAME_SYNTAX.get(name, name) != _SAME_SYNTAX.get(shown, shown):
+        if written is not None and _SAME_SYNTAX.get(name, name) != _SAME_SYNTAX.get(written, written):
             raise ValueError(f"--tool-call-parser {parser} does not match the model's chat template, which "
-                             f"renders tools with {shown} calls; use --tool-call-parser {shown} or auto")
+                             f"writes {written} calls; use --tool-call-parser {written} or auto")
     fmt = FORMATS[name]
     if guided_backend == "llguidance" and not fmt.json_arguments:
         raise ValueError(f"--tool-call-parser {name} needs the xgrammar backend (its XML arguments have no "
@@ -155,23 +202,24 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
         if name != "hermes":
             raise ValueError(f"--tool-call-begin/--tool-call-end apply to hermes calls, not to {name}")
         fmt = hermes(begin or "<tool_call>", end or "</tool_call>")
-    return ToolSetup(with_special_markers(fmt, tokenizer), renders,
+    return ToolSetup(with_controls(fmt, tokenizer), renders,
                      "system" if template_takes_system(tokenizer) else "user", json_whitespace)
 
 
-def with_special_markers(fmt: JsonCallFormat, tokenizer: Any) -> JsonCallFormat:
-    """``fmt`` knowing that its trigger is a special token of ``tokenizer`` (decoded text omits it).
+def with_controls(fmt: JsonCallFormat, tokenizer: Any) -> JsonCallFormat:
+    """``fmt`` knowing which of its markers are control tokens of ``tokenizer`` (forced and read as ids).
 
     Raises
     ------
     ValueError
-        The trigger of a format without a list opening is a special token
-        (its calls could not be found in the text): not supported.
+        A marker of an XML format (``qwen3_coder``) is a control token: its
+        calls are read from text only.
     """
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    if fmt.trigger not in special:
+    controls = find_controls((fmt.call_open, fmt.call_close, fmt.block_open, fmt.block_close, fmt.trigger),
+                             tokenizer)
+    if not controls:
         return fmt
-    if not fmt.block_open:
-        raise ValueError(f"the {fmt.name} trigger {fmt.trigger!r} is a special token of this tokenizer, which "
-                         "decoded text omits; tpguide cannot read such calls back")
-    return dataclasses.replace(fmt, hidden=fmt.trigger)
+    if not fmt.json_arguments:
+        raise ValueError(f"the {fmt.name} markers {[text for text, _ in controls]} are special tokens of this "
+                         "tokenizer, which decoded text omits; tpguide reads such markers as ids for JSON formats only")
+    return dataclasses.replace(fmt, controls=controls)

@@ -18,15 +18,22 @@ Arguments follow the JSON whitespace mode (``--json-whitespace``,
 most :data:`~tpguide.guided.params.MAX_BOUNDED_WHITESPACE` characters
 between tokens, ``compact`` at most one (xgrammar's least), ``any`` no
 limit; so a model cannot write whitespace until ``max_tokens``.
+
+A marker that is a control token of the tokenizer (``fmt.controls``,
+:mod:`~tpguide.serving.tool_formats.control_tokens`) is a ``token`` node
+of its id, never text: a tag whose begin or end holds one begins or ends
+with that token and carries the text around it in its content, and in
+``auto`` such a trigger is a ``token_triggered_tags`` trigger.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tpguide.guided.params import MAX_BOUNDED_WHITESPACE, check_whitespace_mode
+from tpguide.serving.tool_formats.control_tokens import Controls, split_controls
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 from tpguide.serving.tool_formats.lark import structural_tag_to_lark
 
@@ -54,11 +61,11 @@ def call_tag(fmt: JsonCallFormat, name: str, parameters: Dict[str, Any], whitesp
         xgrammar's tag for ``fmt.xgrammar_model`` spells the call differently from the table.
     """
     most = MAX_WHITESPACE[check_whitespace_mode(whitespace)]
-    if fmt.xgrammar_model is None:
+    if fmt.xgrammar_model is None or fmt.controls:  # xgrammar's tags write every marker as text
         content = {"type": "json_schema", "json_schema": parameters}
         if most is not None:
             content["max_whitespace_cnt"] = most
-        return {"type": "tag", "begin": fmt.call_prefix(name), "content": content, "end": fmt.call_suffix}
+        return tag_node(fmt.call_prefix(name), content, fmt.call_suffix, fmt.controls)
     tag = json.loads(_xgrammar_call_tag(fmt.xgrammar_model, name, json.dumps(parameters, sort_keys=True), most))
     want = (fmt.call_prefix(name), fmt.call_suffix)
     if tag.get("type") != "tag" or (tag["begin"], tag["end"]) != want:
@@ -77,12 +84,46 @@ def plan_structural_tag(fmt: JsonCallFormat, mode: str, tools: Sequence[Any], pa
         calls = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator, "at_least_one": True,
                  "stop_after_first": not parallel}
     if fmt.block_open:
-        calls = {"type": "tag", "begin": fmt.block_open, "content": calls, "end": fmt.block_close}
+        calls = tag_node(fmt.block_open, calls, fmt.block_close, fmt.controls)
     if mode == "auto":
         triggered = [calls] if fmt.block_open else tags
-        calls = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": triggered, "at_least_one": False,
-                 "stop_after_first": bool(fmt.block_open) or not parallel}
+        stop = bool(fmt.block_open) or not parallel
+        trigger = split_controls(fmt.trigger, fmt.controls)
+        if isinstance(trigger[0], int):
+            calls = {"type": "token_triggered_tags", "trigger_tokens": [trigger[0]], "tags": triggered,
+                     "at_least_one": False, "stop_after_first": stop}
+        elif len(trigger) > 1:
+            raise ValueError(f"{fmt.name}: the trigger {fmt.trigger!r} has a control token after text; not supported")
+        else:
+            calls = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": triggered, "at_least_one": False,
+                     "stop_after_first": stop}
     return {"type": "structural_tag", "format": calls}
+
+
+def _node(piece: Union[str, int]) -> Dict[str, Any]:
+    if isinstance(piece, int):
+        return {"type": "token", "token": piece}
+    return {"type": "const_string", "value": piece}
+
+
+def tag_node(begin: str, content: Dict[str, Any], end: str, controls: Controls = ()) -> Dict[str, Any]:
+    """The structural-tag ``tag`` ``begin content end``, its control markers as ``token`` nodes.
+
+    A ``tag``'s begin and end are one string or one token, so a begin such
+    as ``[TOOL_CALLS] [`` becomes begin ``token([TOOL_CALLS])`` with `` [``
+    moved to the front of the content (a ``sequence``); likewise for an end.
+    """
+    head, tail = split_controls(begin, controls), split_controls(end, controls)
+    if all(isinstance(p, str) for p in head + tail):
+        return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+    def edge(piece: Union[str, int]) -> Union[str, Dict[str, Any]]:
+        return _node(piece) if isinstance(piece, int) else piece
+
+    inner = [_node(p) for p in head[1:]] + [content] + [_node(p) for p in tail[:-1]]
+    return {"type": "tag", "begin": edge(head[0]) if head else "",
+            "content": inner[0] if len(inner) == 1 else {"type": "sequence", "elements": inner},
+            "end": edge(tail[-1]) if tail else ""}
 
 
 def plan_guide(fmt: JsonCallFormat, mode: str, tools: Sequence[Any], parallel: bool, backend: str,

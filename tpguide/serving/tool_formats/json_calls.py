@@ -16,12 +16,18 @@ two views of it, so their calls and arguments are the same slices of text.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import re
 import secrets
 import string
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import regex
+
+from tpguide.serving.tool_formats.control_tokens import Controls, with_sentinels
 
 _DECODER = json.JSONDecoder()
 
@@ -42,18 +48,35 @@ class Scan:
 
     ``content`` is the text outside calls that can no longer start one (all
     of it when ``final``); ``open_at`` is where an unfinished call or list
-    starts (None when there is none).
+    starts (None when there is none); ``syntax_tail`` counts the characters
+    at the end of a ``final`` scan's ``content`` that could begin a call
+    (``<tool_call`` cut by ``max_tokens``).
     """
 
     content: str
     calls: List[ScannedCall] = field(default_factory=list)
     open_at: Optional[int] = None
+    syntax_tail: int = 0
 
-    def finished(self, text: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
-        """(content, complete calls) of a finished output: an unfinished call stays in the content."""
-        rest = text[self.open_at:] if self.open_at is not None else ""
-        joined = (self.content + rest).strip()
-        return joined or None, [(c.name, c.arguments) for c in self.calls if c.complete]
+    def answer_content(self, cut: bool = False) -> str:
+        """The content of a finished output: ``cut`` (it hit ``max_tokens``) drops a call opening cut short."""
+        if cut and self.syntax_tail:
+            return self.content[:len(self.content) - self.syntax_tail]
+        return self.content
+
+    def finished(self, cut: bool = False) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+        """(content, complete calls) of a finished output (scanned with ``final=True``).
+
+        No call syntax is content: an unfinished call is dropped, and so is
+        the start of a call cut by ``max_tokens`` (``cut``); content is None
+        when only whitespace remains, and stripped beside calls or dropped syntax.
+        """
+        calls = [(c.name, c.arguments) for c in self.calls if c.complete]
+        content = self.answer_content(cut)
+        if not content.strip():
+            return None, calls
+        dropped = self.open_at is not None or (cut and self.syntax_tail)
+        return (content.strip() if calls or dropped else content), calls
 
 
 def _ws(literal: str) -> str:
@@ -87,12 +110,13 @@ class JsonCallFormat:
         Strings in a chat template that show it writes this syntax.
     id_length : int
         0: OpenAI-style ids ``call_<24 hex>``; else that many alphanumerics (Mistral: 9).
-    hidden : str
-        A marker of ``block_open`` that is a special token of the tokenizer
-        (Mistral's ``[TOOL_CALLS]``): the guide forces it (the backends allow
-        its token), the decoded output text omits it, so the scanner looks
-        for the rest of ``block_open`` (:func:`~tpguide.serving.tool_formats.choose.choose_tool_format`
-        sets it).
+    controls : tuple of (str, int)
+        The markers of the format's literals that are control tokens of
+        the tokenizer (Mistral's ``[TOOL_CALLS]``), with their ids
+        (:func:`~tpguide.serving.tool_formats.control_tokens.find_controls`):
+        the guide forces them as ids and :meth:`scan` reads text in which
+        each is one sentinel character
+        (:func:`~tpguide.serving.tool_formats.control_tokens.marker_text`).
     """
 
     name: str
@@ -106,11 +130,11 @@ class JsonCallFormat:
     xgrammar_model: Optional[str] = None
     markers: Tuple[str, ...] = ()
     id_length: int = 0
-    hidden: str = ""
+    controls: Controls = ()
 
     def __post_init__(self) -> None:
-        if self.hidden and (not self.block_open or self.hidden not in self.block_open):
-            raise ValueError(f"{self.name}: a hidden marker must be part of block_open, got {self.hidden!r}")
+        if any(text in self.separator for text, _ in self.controls):
+            raise ValueError(f"{self.name}: the separator {self.separator!r} holds a control token; not supported")
         if not self.trigger or not (self.block_open or self.call_open or '{"name": ').startswith(self.trigger):
             raise ValueError(f"{self.name}: the trigger {self.trigger!r} must start every call or list")
         if bool(self.block_open) != bool(self.block_close):
@@ -140,10 +164,15 @@ class JsonCallFormat:
         return new_call_id(self.id_length)
 
     # ------------------------------------------------------------ reading
-    def _header(self) -> "re.Pattern[str]":
+    def call_pattern(self, name: str) -> str:
+        """A regex of how this format begins a call of ``name`` (the opening, the name, the arguments key)."""
+        return (_ws(self.block_open or self.call_open) + r'\s*\{\s*"name"\s*:\s*' + re.escape(json.dumps(name))
+                + r'\s*,\s*"' + self.args_key + '"')
+
+    def _header(self) -> "regex.Pattern[str]":
         key = '"(?:parameters|arguments)"' if self.args_key == "parameters" else f'"{self.args_key}"'
         opener = "" if self.block_open else _ws(self.call_open)
-        return re.compile(opener + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*' + key + r"\s*:\s*")
+        return regex.compile(opener + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*' + key + r"\s*:\s*")
 
     def scan(self, text: str, final: bool = False, schemas: Optional[Dict[str, Any]] = None) -> Scan:
         """Calls and content of ``text`` (a whole output, or its prefix while streaming).
@@ -151,15 +180,19 @@ class JsonCallFormat:
         Parameters
         ----------
         text : str
-            The decoded output so far.
+            The decoded output so far; with :attr:`controls`, decoded by
+            :func:`~tpguide.serving.tool_formats.control_tokens.marker_text`
+            (each control marker one sentinel character).
         final : bool
-            No more text follows: nothing is held back.
+            No more text follows: nothing is held back, and a trigger
+            followed by what cannot begin a call header is text.
         schemas : dict, optional
             Not used (JSON arguments need no schema to be read).
         """
-        header, scan, pos = self._header(), Scan(""), 0
-        opener = (self.block_open or self.trigger).replace(self.hidden, "") if self.hidden else ""
-        opener = opener or self.block_open or self.trigger  # what starts a call or a list in the text
+        if self.controls:
+            return _sentinel_view(self).scan(text, final, schemas)
+        header, scan, pos, after_call = self._header(), Scan(""), 0, -1
+        opener = self.block_open or self.trigger  # what starts a call or a list in the text
         marker = opener.strip() or opener
         start_re = re.compile(_ws(opener) if self.block_open else re.escape(opener))
         tail = re.compile(r"\s*\}" + _ws(self.call_close)) if self.call_close.strip() else re.compile(r"\s*\}")
@@ -167,12 +200,16 @@ class JsonCallFormat:
             m = start_re.search(text, pos)
             if m is None:
                 piece = text[pos:]
-                keep = len(piece)
-                if not final:  # hold what may still start a call or a list
-                    keep -= prefix_hold(piece, opener)
+                hold = prefix_hold(piece, opener)
+                if pos == after_call:  # right after a call: the separator and the next opening, cut
+                    hold = max(hold, prefix_hold(piece, self.separator + self.trigger))
+                if final:
+                    scan.content, scan.syntax_tail = scan.content + piece, hold
+                else:  # hold what may still start a call or a list
+                    keep = len(piece) - hold
                     if marker in piece:
                         keep = min(keep, piece.index(marker))
-                scan.content += piece[:keep]
+                    scan.content += piece[:keep]
                 return scan
             scan.content += text[pos:m.start()]
             start = m.start()
@@ -180,7 +217,7 @@ class JsonCallFormat:
             while True:  # the calls of one list (one call when there is no list)
                 h = header.match(text, at)
                 if h is None or h.end() == len(text):  # not a complete header yet
-                    if final and h is None and at == first:
+                    if final and h is None and at == first and header.match(text, at, partial=True) is None:
                         break  # the trigger was plain text
                     scan.open_at = start
                     return scan
@@ -201,22 +238,19 @@ class JsonCallFormat:
                 if t is None:
                     scan.open_at = start
                     return scan
-                at = t.end()
+                at, call.complete = t.end(), True
                 if not self.block_open:
-                    call.complete = True
                     joined = re.compile(_ws(self.separator) + re.escape(self.trigger)).match(text, at)
                     if joined is not None:  # the separator before the next call is not content
                         at = joined.end() - len(self.trigger)
                     elif not final and (self.separator + self.trigger).startswith(text[at:]) and at < len(text):
                         return scan  # it may become a separator: hold it
+                    after_call = at
                     break
                 more = re.compile(_ws(self.separator)).match(text, at)
                 close = re.compile(r"\s*" + re.escape(self.block_close)).match(text, at)
                 if close is not None:
                     at = close.end()
-                    for c in scan.calls:
-                        if c.start == start:
-                            c.complete = True
                     break
                 if more is None or more.end() == len(text):
                     scan.open_at = start
@@ -226,6 +260,17 @@ class JsonCallFormat:
                 scan.content += text[start:m.end()]
                 at = m.end()
             pos = at
+
+
+@functools.lru_cache(maxsize=64)
+def _sentinel_view(fmt: JsonCallFormat) -> JsonCallFormat:
+    """``fmt`` with each control marker as its sentinel character (the text :meth:`JsonCallFormat.scan` reads)."""
+    def view(literal: str) -> str:
+        return with_sentinels(literal, fmt.controls)
+
+    return dataclasses.replace(fmt, call_open=view(fmt.call_open), call_close=view(fmt.call_close),
+                               block_open=view(fmt.block_open), block_close=view(fmt.block_close),
+                               trigger=view(fmt.trigger), controls=())
 
 
 def new_call_id(length: int = 0) -> str:

@@ -5,7 +5,9 @@ tool plan is written once as a structural tag and translated here node by
 node: ``tag`` is ``begin content end``, ``json_schema`` is ``%json``,
 ``tags_with_separator`` is ``tag (sep tag)*``, ``triggered_tags`` is free
 text up to the trigger (a lazy lexeme) then a tag, repeated, then text that
-holds no trigger.  Only the node types the tool formats build are known;
+holds no trigger.  A ``token`` node (a control token forced by its id) is
+llguidance's ``<[id]>``, and ``token_triggered_tags`` is free text, then
+the trigger token and a tag, repeated.  Only the node types the tool formats build are known;
 any other raises ``ValueError`` naming it (docs/tool-calls.md).
 """
 
@@ -48,6 +50,8 @@ class _Builder:
 
     def expr(self, node: Dict[str, Any]) -> str:
         kind = node.get("type")
+        if kind == "token":
+            return _token(node)
         if kind == "const_string":
             return _lit(node["value"]) or '""'
         if kind == "json_schema":
@@ -66,7 +70,26 @@ class _Builder:
             return body if node.get("at_least_one") else f"({body})?"
         if kind == "triggered_tags":
             return self._triggered(node)
+        if kind == "token_triggered_tags":
+            return self._token_triggered(node)
         raise ValueError(f"structural-tag node type {kind!r} has no llguidance form here")
+
+    def _token_triggered(self, node: Dict[str, Any]) -> str:
+        triggers = node["trigger_tokens"]
+        if len(triggers) != 1 or node.get("exclude_tokens") or not isinstance(triggers[0], int):
+            raise ValueError(f"token_triggered_tags with trigger_tokens {triggers} and exclude_tokens "
+                             f"{node.get('exclude_tokens')} has no llguidance form here (one token id, no excludes)")
+        trigger = {"type": "token", "token": triggers[0]}
+        alts = []
+        for t in node["tags"]:
+            if t.get("type") != "tag" or t["begin"] != trigger:
+                raise ValueError(f"token-triggered tag {t.get('begin')!r} does not begin with its trigger {trigger}")
+            alts.append(self.expr(t))
+        alt, text = self.rule(" | ".join(f"({a})" for a in alts)), self._name("TEXT")
+        self.lines.append(f"{text}: /(.|\\n)*/")  # text holds no special token (llguidance)
+        if node.get("stop_after_first"):
+            return f"{text} {alt}" if node.get("at_least_one") else f"{text} ({alt})?"
+        return f"{text} ({alt} {text})+" if node.get("at_least_one") else f"{text} ({alt} {text})*"
 
     def _triggered(self, node: Dict[str, Any]) -> str:
         triggers = node["triggers"]
@@ -98,7 +121,16 @@ def _with_whitespace(node: Dict[str, Any]) -> Any:
     return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
 
 
-def _lit(text: str) -> str:
+def _token(node: Dict[str, Any]) -> str:
+    if not isinstance(node.get("token"), int):
+        raise ValueError(f"a token node needs a token id here, got {node.get('token')!r}")
+    return f"<[{node['token']}]>"
+
+
+def _lit(text: Any) -> str:
+    """A tag's begin or end: a string literal, or a token node."""
+    if isinstance(text, dict):
+        return _token(text)
     return json.dumps(text) if text else ""
 
 

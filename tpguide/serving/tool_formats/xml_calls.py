@@ -55,7 +55,7 @@ class XmlCallFormat:
     xgrammar_model: Optional[str] = "qwen_3_coder"
     markers: Tuple[str, ...] = ("<function=",)
     id_length: int = 0
-    hidden: str = ""
+    controls: tuple = ()  # Qwen3-Coder's markers are text; a control-token marker is refused at startup
     call_open: str = "<tool_call>\n"
     call_close: str = "\n</tool_call>"
     json_arguments: bool = False  # the arguments are XML: no Lark form (llguidance refused)
@@ -84,6 +84,10 @@ class XmlCallFormat:
     def new_call_id(self) -> str:
         return new_call_id(self.id_length)
 
+    def call_pattern(self, name: str) -> str:
+        """A regex of how this format begins a call of ``name``."""
+        return r"<tool_call>\s*<function=" + re.escape(name) + ">"
+
     def scan(self, text: str, final: bool = False, schemas: Optional[Dict[str, Any]] = None) -> Scan:
         """Complete calls and the content around them; an unfinished call starts at ``open_at``."""
         scan, pos = Scan(""), 0
@@ -103,6 +107,9 @@ class XmlCallFormat:
             scan.content += rest[:opened]
             scan.open_at = pos + opened
             return scan
-        keep = len(rest) - (0 if final else prefix_hold(rest, self.trigger))
-        scan.content += rest[:keep]
+        hold = max(prefix_hold(rest, self.trigger), prefix_hold(rest, self.separator + self.trigger) if pos else 0)
+        if final:
+            scan.content, scan.syntax_tail = scan.content + rest, hold
+        else:
+            scan.content += rest[:len(rest) - hold]
         return scan
