@@ -8,7 +8,7 @@ line).
 
 from __future__ import annotations
 
-import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -19,6 +19,10 @@ from tpguide.engine.detokenize import DetokenizeState
 MAX_STOP_STRINGS, MAX_STOP_LEN = 16, 256
 #: The largest seed: seeds travel to every rank as int64 tensor values.
 MAX_SEED = 2**63 - 1
+#: temperature, top_p and repetition_penalty travel as float32 tensor values: the largest finite one, and the
+#: smallest normal one (smaller ones round to 0 or lose precision; larger ones become inf).
+FLOAT32_MAX, FLOAT32_MIN_NORMAL = 3.4028234663852886e38, 1.1754943508222875e-38
+_TOKEN_ID = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,15 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
-                or not 0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+                or not (self.temperature == 0 or FLOAT32_MIN_NORMAL <= self.temperature <= FLOAT32_MAX)):
+            raise ValueError(f"temperature must be 0 or a number in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] "
+                             f"(a normal float32 value: the step holds it as one), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
             raise ValueError(f"top_k must be an int in [-1, 2**31) (0 or -1 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not FLOAT32_MIN_NORMAL <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] and at least {FLOAT32_MIN_NORMAL:.4g} (a normal float32 value), "
+                             f"got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be null or an int in [0, 2**63 - 1] (a signed 64-bit tensor value), "
@@ -136,16 +143,18 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not (math.isfinite(rp) and rp > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not FLOAT32_MIN_NORMAL <= rp <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a number in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] "
+                             f"(a normal float32 value > 0), got {rp!r}")
         bias = self.logit_bias
         items = bias.items() if isinstance(bias, dict) else bias
         pairs = []
         try:
             for k, v in items:
-                tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+                tid = int(k) if isinstance(k, str) and _TOKEN_ID.fullmatch(k) else k
                 if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
-                    raise ValueError(f"logit_bias keys must be token ids (non-negative ints), got {k!r}")
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative ints, ASCII digits in a "
+                                     f"string key), got {k!r}")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}")
                 pairs.append((tid, float(v)))

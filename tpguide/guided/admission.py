@@ -37,6 +37,7 @@ from tpguide.guided.enforcement import unenforced_keys
 from tpguide.guided.keyword_cases import FORMAT_EXAMPLES, keyword_key
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.schema_check import resolve_local_ref
 
 # ------------------------------------------------------------------ the fail-closed checks
 
@@ -98,6 +99,9 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
         elif (backend_name == "xgrammar" and keyword in _COUNT_BOUNDS and isinstance(value, int)
               and value >= XGRAMMAR_BOUND_LIMIT):
             found.append((pointer, f"{keyword}={value} >= 2**31, which xgrammar treats as no bound"))
+        elif keyword == "$ref" and isinstance(value, str) and resolve_local_ref(schema, value) is None:
+            found.append((pointer, f"$ref {value!r} does not resolve inside the schema (only local JSON pointers "
+                                   f"'#/...' are followed), so no backend can enforce what it names"))
         elif keyword == "required" and (undeclared := undeclared_required(node)):
             found.append((pointer, f"'required' names {undeclared} that 'properties' does not declare, and no "
                                    f"backend writes an undeclared property"))

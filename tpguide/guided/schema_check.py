@@ -179,6 +179,26 @@ def _child(pointer: str, *parts: Any) -> str:
     return pointer + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+def resolve_local_ref(root: Any, ref: str) -> Optional[Any]:
+    """The sub-schema of ``root`` that a local ``$ref`` (``#`` or a JSON pointer ``#/a/b``) names, else None.
+
+    None for a ref into another document (``other.json#/x``), an anchor
+    (``#name``) or a pointer that does not resolve.
+    """
+    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
+        return None
+    node = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 class _Search:
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -189,18 +209,7 @@ class _Search:
 
     def resolve(self, ref: str) -> Optional[Any]:
         """The sub-schema of a local ``#/a/b`` pointer, else None (unknown: assumed productive)."""
-        if not ref.startswith("#"):
-            return None
-        node = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+        return resolve_local_ref(self.root, ref)
 
     def productive(self, schema: Any, path: FrozenSet[str], chain: tuple, pointer: str = "") -> bool:
         self.visits += 1
