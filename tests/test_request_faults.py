@@ -18,7 +18,7 @@ from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_faults import REQUEST_FAULT_ENV, InjectedFault
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.engine.text_check import MAX_JSON_DEPTH, check_unicode, find_invalid_text
-from tpguide.guided.admission import GuideRefused, check_enforceable
+from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
 from tpguide.guided.params import StructuredOutputsParams
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
@@ -109,3 +109,17 @@ def test_required_names_missing_from_properties_are_refused_with_a_pointer(backe
         check_enforceable(StructuredOutputsParams(json=nested), backend)
     fine = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     check_enforceable(StructuredOutputsParams(json=fine), backend)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_ref_that_does_not_resolve_is_refused_and_same_document_refs_pass(backend):
+    remote = {"type": "object", "properties": {"a": {"$ref": "http://example.com/x.json"}}, "required": ["a"]}
+    with pytest.raises(GuideRefused, match=r"\$ref 'http://example.com/x.json' does not resolve .*/properties/a/\$ref"):
+        check_enforceable(StructuredOutputsParams(json=remote), backend)
+    dangling = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "$defs": {}}
+    with pytest.raises(GuideRefused, match="does not resolve"):
+        check_enforceable(StructuredOutputsParams(json=dangling), backend)
+    local = {"$id": "https://example.com/p.json", "$defs": {"s": {"type": "string"}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"$ref": "https://example.com/p.json#/$defs/s"},
+                                              "c": {"$ref": "#"}}}
+    assert [w for _, w in unenforced_keywords(local, backend) if "$ref" in w] == []

@@ -180,15 +180,21 @@ def _child(pointer: str, *parts: Any) -> str:
 
 
 def resolve_local_ref(root: Any, ref: str) -> Optional[Any]:
-    """The sub-schema of ``root`` that a local ``$ref`` (``#`` or a JSON pointer ``#/a/b``) names, else None.
+    """The sub-schema of ``root`` that a ``$ref`` into the same document names, else None.
 
-    None for a ref into another document (``other.json#/x``), an anchor
-    (``#name``) or a pointer that does not resolve.
+    Same document: ``#``, a JSON pointer ``#/a/b``, an anchor ``#name``
+    (``"$anchor": "name"``, or draft-07's ``"$id": "#name"``), or any of these
+    after the root's own ``$id``.  None for a ref into another document
+    (``other.json#/x``) or one that does not resolve.
     """
-    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
+    base, _, fragment = ref.partition("#")
+    root_id = root.get("$id") if isinstance(root, dict) else None
+    if base and (not isinstance(root_id, str) or base != root_id.partition("#")[0]):
         return None
+    if fragment and not fragment.startswith("/"):
+        return _find_anchor(root, fragment)
     node = root
-    for part in [p for p in ref[1:].split("/") if p]:
+    for part in [p for p in fragment.split("/") if p]:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
@@ -197,6 +203,23 @@ def resolve_local_ref(root: Any, ref: str) -> Optional[Any]:
         else:
             return None
     return node
+
+
+def _find_anchor(node: Any, name: str) -> Optional[Any]:
+    """The sub-schema with ``"$anchor": name`` (or ``"$id": "#name"``), searched depth first, else None."""
+    if isinstance(node, dict):
+        if node.get("$anchor") == name or node.get("$id") == f"#{name}":
+            return node
+        children = node.values()
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    for child in children:
+        found = _find_anchor(child, name)
+        if found is not None:
+            return found
+    return None
 
 
 class _Search:
