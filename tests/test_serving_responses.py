@@ -3,11 +3,16 @@ client: ``responses.create`` / ``responses.parse`` with a strict schema, the str
 function call and its output, tools and a schema answer in one request, the same tokens as chat completions.
 
 The breadth (items, events, store, 400s) is tested in process on a tiny model: ``test_serving_responses_app.py``.
+The last test is a small ``benchmarks/soak_server.py`` on this server.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import jsonschema
 import pydantic
@@ -36,10 +41,16 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 
 @pytest.fixture(scope="module")
-def client():
-    args = ["--served-model-name", MODEL, "--max-num-seqs", "2", "--max-new-tokens", "48", "--max-model-len", "1024"]
+def server():
+    args = ["--served-model-name", MODEL, "--max-num-seqs", "4", "--max-waiting-requests", "16",
+            "--max-new-tokens", "48", "--max-model-len", "1024"]
     with ServerProcess(1, args) as srv:
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
 def test_schema_parse_and_stream(client):
@@ -110,3 +121,19 @@ def test_bad_request_names_the_field(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="hi", text={"format": {"type": "json_schema", "name": "x"}})
     assert info.value.body["param"] == "text.format.schema"
+
+
+def test_small_soak_leaves_nothing_behind(server):
+    """40 requests, 12 at once: chat and Responses streams, clients leaving mid-stream, malformed bodies."""
+    spec = importlib.util.spec_from_file_location(
+        "soak_server", Path(__file__).resolve().parents[1] / "benchmarks" / "soak_server.py")
+    soak = sys.modules.setdefault("soak_server", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(soak)
+    tally = asyncio.run(soak.run_soak(server.base_url, MODEL, requests=40, concurrency=12, max_tokens=32,
+                                      disconnect_frac=0.15, malformed_frac=0.15, seed=1))
+    o = tally.outcomes
+    assert not [k for k in o if k.startswith(("lost", "error:", "malformed_got"))], o
+    assert sum(o.values()) - o["invalid_answer"] == 40 and o["invalid_answer"] == 0
+    assert o["cancelled"] > 0 and o["malformed_400"] > 0 and o["completed_stop"] == tally.valid > 0
+    idle = soak.wait_idle(server.base_url)
+    assert idle == {"tpguide:num_requests_running": 0, "tpguide:kv_cache_blocks_used": 0}
