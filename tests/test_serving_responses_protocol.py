@@ -56,6 +56,8 @@ def test_same_request_line_as_chat():
                  "tool_choice": "required", "text": {"format": {"type": "json_schema", "name": "a", "schema": ANSWER,
                                                                 "strict": True}}}
     assert lines(responses_to_chat(responses).chat_body) == lines(chat)
+    no_tools = responses_to_chat({"model": "m", "input": "Q", "tools": [], "tool_choice": "auto"}).chat_body
+    assert "tools" not in no_tools and "tool_choice" not in no_tools
     named = responses_to_chat({**responses, "tool_choice": {"type": "function", "name": "get_weather"}}).chat_body
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
 
@@ -68,10 +70,12 @@ def test_same_request_line_as_chat():
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"input": "x", "instructions": 3}, "instructions"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "tool_choice": "required", "tools": []}, "tool_choice"),
 ])
 def test_refusals_name_the_field(body, field):
     with pytest.raises(APIError) as info:
-        responses_to_chat({"model": "m", **body})
+        parse_request(responses_to_chat({"model": "m", **body}).chat_body, "chat", "r")
     assert info.value.status == 400 and info.value.param == field
 
 

@@ -245,13 +245,17 @@ def responses_to_chat(body: Any, history: Optional[List[Dict[str, Any]]] = None)
     items = [*(history or []), *input_items(body.get("input"))]
     chat: Dict[str, Any] = {key: body[key] for key in PASSED_FIELDS if body.get(key) is not None}
     chat["messages"] = items_to_messages(items, instructions)
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    most = body.get("max_output_tokens")
+    if most is not None:
+        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+            raise bad_request(f"max_output_tokens must be an int >= 1, got {most!r}", "max_output_tokens")
+        chat["max_tokens"] = most
     tools = chat_tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = chat_tool_choice(body["tool_choice"])
+    choice = chat_tool_choice(body.get("tool_choice"))
+    if choice is not None and (tools is not None or choice not in ("auto", "none")):  # "auto" without tools: no-op
+        chat["tool_choice"] = choice
     fmt = response_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
