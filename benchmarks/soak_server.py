@@ -271,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--base-url", default=None, help="a running server on loopback (default: start one)")
     p.add_argument("--served-model-name", default="soak")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the load this many times on the same server (RSS after each: growth vs warm-up)")
     args = p.parse_args(argv)
     srv = None
     if args.base_url is None:
@@ -284,15 +286,19 @@ def main(argv=None) -> int:
     else:
         base_url = args.base_url
     try:
-        rss_start = session_rss_mib(srv.proc.pid) if srv else float("nan")
-        start = time.perf_counter()
-        tally = asyncio.run(run_soak(base_url, args.served_model_name, args.requests, args.concurrency,
-                                     args.max_tokens, args.disconnect_frac, args.malformed_frac, args.time_limit_s,
-                                     args.request_timeout_s, args.seed))
-        wall = time.perf_counter() - start
-        idle = wait_idle(base_url)
-        rss_end = session_rss_mib(srv.proc.pid) if srv else float("nan")
-        return 1 if report(tally, args.requests, wall, (rss_start, rss_end), idle) else 0
+        problems = 0
+        for k in range(args.rounds):
+            rss_start = session_rss_mib(srv.proc.pid) if srv else float("nan")
+            start = time.perf_counter()
+            tally = asyncio.run(run_soak(base_url, args.served_model_name, args.requests, args.concurrency,
+                                         args.max_tokens, args.disconnect_frac, args.malformed_frac,
+                                         args.time_limit_s, args.request_timeout_s, args.seed + k))
+            wall = time.perf_counter() - start
+            idle = wait_idle(base_url)
+            rss_end = session_rss_mib(srv.proc.pid) if srv else float("nan")
+            print(f"-- round {k + 1} of {args.rounds}")
+            problems += report(tally, args.requests, wall, (rss_start, rss_end), idle)
+        return 1 if problems else 0
     finally:
         if srv is not None:
             srv.stop()
