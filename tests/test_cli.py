@@ -21,9 +21,9 @@ def test_usage_and_unknown_command(capsys):
     assert info.value.code == 0 and "--tool-call-parser" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("module, flag", [("tpguide.generate", "--requests"), ("tpguide.serve", "--api-key")])
-def test_modules_run_with_the_launch_scripts_flags(module, flag):
-    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+def test_module_runs_with_the_launch_scripts_flags():
+    """``python -m tpguide.generate`` (what ``torchrun -m tpguide.generate`` starts on each rank)."""
+    out = subprocess.run([sys.executable, "-m", "tpguide.generate", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert flag in out.stdout and "--max-num-seqs" in out.stdout
+    assert "--requests" in out.stdout and "--max-num-seqs" in out.stdout
