@@ -83,7 +83,7 @@ FAST_PATH_FALLBACKS: List[str] = []
 
 
 def set_bench_defaults(parser) -> None:
-    """Defaults of the engine flags (``launch/engine_flags.py``) in these scripts.
+    """Defaults of the engine flags (``tpguide/cli/engine_flags.py``) in these scripts.
 
     ``--max-num-seqs`` None: the script uses the number of rows (one batch);
     ``--kv-cache-memory`` :data:`CUDA_KV_CACHE_MEMORY` on CUDA (the pool's

@@ -47,10 +47,8 @@ from typing import List, Optional
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
 
 from compare_outputs import compare  # noqa: E402
-from engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
 from engine_runs import (  # noqa: E402
     DEFAULT_FIXTURES,
     FAST_PATH_FALLBACKS,
@@ -61,6 +59,8 @@ from engine_runs import (  # noqa: E402
     set_bench_defaults,
     shared_model_loads,
 )
+
+from tpguide.cli.engine_flags import add_engine_flags, engine_config_from_args, set_threads  # noqa: E402
 
 
 @dataclasses.dataclass

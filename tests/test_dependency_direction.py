@@ -192,7 +192,7 @@ def test_the_graph_checks_see_circles_and_upward_imports(monkeypatch):
 
 
 #: The folders that may use the engine only through its API (docs/architecture.md §1): no driver internals.
-API_ONLY = ("tpguide/serving", "launch")
+API_ONLY = ("tpguide/serving", "tpguide/cli", "launch")
 
 
 def driver_reach_throughs(path: Path) -> list:

@@ -65,3 +65,20 @@ def test_include_reasoning_false_and_enable_thinking_false(client):
     direct = _ask(client, chat_template_kwargs={"enable_thinking": False}).choices[0]
     assert getattr(direct.message, "reasoning", None) is None and direct.finish_reason == "stop"
     jsonschema.validate(json.loads(direct.message.content), SCHEMA)
+
+
+def test_responses_reasoning_item_before_the_message(client):
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
+    r = client.responses.create(model=MODEL, input=MESSAGES[0]["content"], temperature=0, max_output_tokens=48,
+                                text=text, extra_body={"thinking_token_budget": 8})
+    chat = _ask(client).choices[0].message
+    assert [i.type for i in r.output] == ["reasoning", "message"] and r.status == "completed"
+    assert r.output[0].content[0].text == chat.reasoning and r.output_text == chat.content
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    events = list(client.responses.create(model=MODEL, input=MESSAGES[0]["content"], temperature=0,
+                                          max_output_tokens=48, text=text, stream=True,
+                                          extra_body={"thinking_token_budget": 8}))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, answer) == (chat.reasoning, chat.content)
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["reasoning", "message"]

@@ -71,6 +71,20 @@ def test_guided_streamed_and_tools(client):
     jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
 
 
+def test_responses_api_at_tp2(client):
+    text = {"format": {"type": "json_schema", "name": "p", "schema": SCHEMA, "strict": True}}
+    r = client.responses.create(model=MODEL, input="A person as JSON.", temperature=0, max_output_tokens=48, text=text)
+    c = client.chat.completions.create(
+        model=MODEL, messages=user("A person as JSON."), temperature=0, max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}})
+    assert r.status == "completed" and r.output_text == c.choices[0].message.content
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    events = list(client.responses.create(model=MODEL, input="A person as JSON.", temperature=0,
+                                          max_output_tokens=48, text=text, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type == "response.completed"
+
+
 def test_server_at_tp2_agrees_with_offline_generate_at_tp1(server):
     plain = {"messages": user("Write about the sea, the sea, and the sea again."), "temperature": 0,
              "max_tokens": 16}

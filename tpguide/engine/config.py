@@ -1,6 +1,6 @@
 """The engine's configuration: :class:`EngineConfig`, its limits and choices, validated once and never mutated.
 
-docs/usage.md lists the flags that build it (``launch/engine_flags.py``);
+docs/usage.md lists the flags that build it (``tpguide/cli/engine_flags.py``);
 the same config is built on the driver and on every rank.
 """
 

@@ -24,7 +24,9 @@ from tpguide.serving.errors import APIError, bad_request
 from tpguide.serving.metrics import ServerMetrics
 from tpguide.serving.protocol import ParsedRequest, parse_request
 from tpguide.serving.responses import TokenText, build_answer, error_of, usage
-from tpguide.serving.sse import DONE, ChoiceStream, chunk, sse_event
+from tpguide.serving.responses_api import add_responses_routes
+from tpguide.serving.sse import ChatEvents, ChoiceStream, chunk
+from tpguide.serving.tokenize_api import add_tokenize_routes
 from tpguide.serving.tool_formats import ToolSetup, hermes
 
 
@@ -120,10 +122,13 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request(invalid)
         return body
 
-    async def _handle(request: Request, endpoint: str):
-        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+    async def _handle(request: Request, endpoint: str, call: Any = None):
+        """Run one request; ``call`` (e.g. a Responses call) parses the body and writes the answer instead."""
+        rid = call.response_id if call is not None else ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         try:
-            parsed = parse_request(await _body(request), endpoint, rid, state.guided_backend, state.tool_format)
+            body = await _body(request)
+            parsed = call.parse(body) if call is not None else parse_request(body, endpoint, rid, state.guided_backend,
+                                                                             state.tool_format)
         except APIError as err:
             state.metrics.failed.labels(error_kind="invalid_request").inc()
             raise err
@@ -161,10 +166,13 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         ids = [r.request_id for r in reqs]
         if parsed.stream:
-            return await _stream(request, parsed, rid, ids, q)
-        return await _collect(request, parsed, rid, ids, q)
+            return await _stream(request, parsed, rid, ids, q, call)
+        outputs = await _collect(request, ids, q)
+        if call is not None:
+            return call.answer(parsed, outputs, token_text)
+        return build_answer(parsed, rid, outputs, token_text)
 
-    async def _collect(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue):
+    async def _collect(request: Request, ids: List[str], q: asyncio.Queue) -> List[Any]:
         finals: Dict[str, Any] = {}
         watcher = asyncio.create_task(_abort_on_disconnect(request, state.loop, ids))
         try:
@@ -184,9 +192,10 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             watcher.cancel()
             state.loop.abort([i for i in ids if i not in finals])
-        return build_answer(parsed, rid, [finals[i] for i in ids], token_text)
+        return [finals[i] for i in ids]
 
-    async def _stream(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue):
+    async def _stream(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue,
+                      call: Any = None):
         watcher = asyncio.create_task(_abort_on_disconnect(request, state.loop, ids))
         try:
             first = await q.get()
@@ -201,35 +210,39 @@ def create_app(state: ServerState) -> FastAPI:
         order = {i: k for k, i in enumerate(ids)}
         streams = [ChoiceStream(parsed, k, state.tokenizer, token_text, parsed.lines[k].get("stop"))
                    for k in range(len(ids))]
+        out = call.events(created) if call is not None else ChatEvents()
 
         async def events():
             finals: Dict[str, Any] = {}
             item = first
             try:
+                opening = "".join(out.start())
+                if opening:
+                    yield opening
                 while True:
                     if isinstance(item, EngineDead):
-                        yield sse_event(APIError(503, str(item), "server_error", code="engine_dead").to_json())
+                        yield "".join(out.error(APIError(503, str(item), "server_error", code="engine_dead").to_json()))
                         break
                     if item.finish_reason == "abort":
                         if state.shutting_down:  # the client is still there: tell it why the stream ends
-                            yield sse_event(APIError(503, "the server is shutting down: request aborted",
-                                                     "server_error", code="shutting_down").to_json())
+                            yield "".join(out.error(APIError(503, "the server is shutting down: request aborted",
+                                                             "server_error", code="shutting_down").to_json()))
                         break
                     if item.finish_reason == "error":
-                        yield sse_event(error_of(item).to_json())
+                        yield "".join(out.error(error_of(item).to_json()))
                         finals[item.request_id] = item
                         break
                     for entry in streams[order[item.request_id]].on_output(item):  # one choice per chunk
-                        yield sse_event(chunk(parsed, rid, created, [entry]))
+                        yield "".join(out.chunk(chunk(parsed, rid, created, [entry])))
                     if item.finished:
                         finals[item.request_id] = item
                         if len(finals) == len(ids):
                             if parsed.include_usage:
-                                yield sse_event(chunk(parsed, rid, created, [],
-                                                      usage([finals[i] for i in ids], parsed.n)))
+                                yield "".join(out.chunk(chunk(parsed, rid, created, [],
+                                                              usage([finals[i] for i in ids], parsed.n))))
                             break
                     item = await q.get()
-                yield DONE
+                yield "".join(out.done(list(finals.values())))
             finally:  # also on a client that went away (the generator is closed)
                 state.loop.abort([i for i in ids if i not in finals])
 
@@ -244,6 +257,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await _handle(request, "completion")
 
+    add_responses_routes(app, state, _handle)
+    add_tokenize_routes(app, state, _body)
     return app
 
 

@@ -13,6 +13,7 @@ Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -24,6 +25,7 @@ from tpguide.serving.reasoning_fields import (
     include_reasoning,
     reasoning_line_fields,
 )
+from tpguide.serving.tool_answer import ANY_OBJECT
 from tpguide.serving.tool_calls import ToolPlan, parse_tools, plan_tools, tool_guide, tool_system_prompt
 from tpguide.serving.tool_formats import JsonCallFormat, ToolSetup, hermes
 
@@ -94,28 +96,55 @@ def _reject_unknown(body: Dict[str, Any], allowed: frozenset) -> None:
             raise unsupported(key, "not an OpenAI field tpguide knows")
 
 
+def _response_format_guide(rf: Any) -> Optional[Dict[str, Any]]:
+    """``response_format`` -> its ``structured_output`` (None for ``text`` or absent); 400 naming the field."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise bad_request("response_format.json_schema needs a 'schema' (and a 'name')",
+                              "response_format.json_schema")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"response_format.json_schema.strict must be true or false, got {strict!r}",
+                              "response_format.json_schema.strict")
+        # OpenAI's strict: false is best effort (docs/guarantees.md "Best effort"); absent or true is strict
+        return {"json": js["schema"], **({"strict": False} if strict is False else {})}
+    if kind != "text":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+    return None
+
+
+def _tools_with_answer(body: Dict[str, Any], tools: Optional[ToolPlan]) -> tuple:
+    """(plan, rest of the guide sources) when ``tools`` and a JSON ``response_format`` come together.
+
+    ``tool_choice`` auto: one guide, calls or a schema answer (:mod:`tpguide.serving.tool_answer`);
+    required / named: the output is calls only and the schema never applies.
+    """
+    answer = _response_format_guide(body.get("response_format")) if tools is not None else None
+    if answer is None:
+        return tools, body
+    rest = {k: v for k, v in body.items() if k != "response_format"}
+    if tools.mode != "auto":
+        return tools, rest
+    schema = answer["json"] if "json" in answer else ANY_OBJECT
+    if not isinstance(schema, dict):
+        raise bad_request(f"response_format.json_schema.schema must be an object with tools, got "
+                          f"{type(schema).__name__}", "response_format.json_schema.schema")
+    return dataclasses.replace(tools, answer_schema=schema), rest
+
+
 def _guide(body: Dict[str, Any], tools: Optional[ToolPlan], backend: str) -> Optional[Dict[str, Any]]:
     """The one ``structured_output`` the request asks for (400 if it asks for two)."""
     sources: List[tuple] = []
-    rf = body.get("response_format")
+    rf = _response_format_guide(body.get("response_format"))
     if rf is not None:
-        kind = rf.get("type") if isinstance(rf, dict) else None
-        if kind == "json_object":
-            sources.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or "schema" not in js:
-                raise bad_request("response_format.json_schema needs a 'schema' (and a 'name')",
-                                  "response_format.json_schema")
-            strict = js.get("strict")
-            if strict is not None and not isinstance(strict, bool):
-                raise bad_request(f"response_format.json_schema.strict must be true or false, got {strict!r}",
-                                  "response_format.json_schema.strict")
-            # OpenAI's strict: false is best effort (docs/guarantees.md "Best effort"); absent or true is strict
-            sources.append(("response_format", {"json": js["schema"], **({"strict": False} if strict is False else {})}))
-        elif kind != "text":
-            raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                              "response_format")
+        sources.append(("response_format", rf))
     so = body.get("structured_outputs")
     if so is not None:
         sources.append(("structured_outputs", so))
@@ -248,7 +277,8 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
     base = {**_sampling_fields(body, endpoint), **reasoning_line_fields(body)}
     if logprobs is not None:  # the engine records logprobs for logprobs >= 1; 0 alternatives are cut later
         base["logprobs"] = max(logprobs, 1)
-    guide = _guide(body, tools, backend)
+    tools, guide_body = _tools_with_answer(body, tools)
+    guide = _guide(guide_body, tools, backend)
     if guide is not None:
         base["structured_output"] = guide
     lines = []

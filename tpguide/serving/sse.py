@@ -107,3 +107,23 @@ class ChoiceStream:
         if finished:
             entries.append(self._entry({}, None, reason))
         return entries
+
+
+class ChatEvents:
+    """The SSE text of a chat / completion stream: one ``data:`` event per chunk or error, then ``[DONE]``.
+
+    (A Responses stream writes other events from the same chunks:
+    :class:`tpguide.serving.responses_stream.ResponseEvents`.)
+    """
+
+    def start(self) -> List[str]:
+        return []
+
+    def chunk(self, obj: Dict[str, Any]) -> List[str]:
+        return [sse_event(obj)]
+
+    def error(self, err: Dict[str, Any]) -> List[str]:
+        return [sse_event(err)]
+
+    def done(self, _outputs: Any) -> List[str]:
+        return [DONE]

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tpguide.guided.reasoning import THINK_END, single_token_id
 from tpguide.serving.errors import bad_request, unsupported
+from tpguide.serving.tool_answer import answer_error, answer_or_calls_guide
 from tpguide.serving.tool_formats.control_tokens import MarkerText
 from tpguide.serving.tool_formats.guide import plan_guide
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
@@ -68,6 +69,8 @@ class ToolPlan:
     fmt: JsonCallFormat
     parallel: bool = True
     whitespace: str = "bounded"  # JSON whitespace mode of the arguments (tpguide.guided.params)
+    #: auto only: an output without calls is a JSON answer valid for this schema (tpguide.serving.tool_answer)
+    answer_schema: Optional[Dict[str, Any]] = None
 
     @property
     def schemas(self) -> Dict[str, Dict[str, Any]]:
@@ -157,6 +160,8 @@ def tool_system_prompt(plan: ToolPlan) -> str:
 
 def tool_guide(plan: ToolPlan, backend: str) -> Dict[str, Any]:
     """The ``structured_output`` object of the request line that enforces ``plan``."""
+    if plan.answer_schema is not None:
+        return answer_or_calls_guide(plan, plan.answer_schema, backend)
     return plan_guide(plan.fmt, plan.mode, plan.tools, plan.parallel, backend, plan.whitespace)
 
 
@@ -204,11 +209,14 @@ def tool_call_error(text: str, plan: ToolPlan) -> Optional[str]:
     Fail closed (docs/tool-calls.md): every call names a listed tool and its
     arguments are JSON valid for that tool's ``parameters``; ``required``
     and named have at least one call (named: of that function), and
-    ``parallel_tool_calls=false`` at most one.
+    ``parallel_tool_calls=false`` at most one.  Under an ``answer_schema``
+    an output without calls is JSON valid for it.
     """
     from tpguide.guided.schema_check import validator_for_schema
 
     _, calls = parse_tool_output(text, plan)
+    if plan.answer_schema is not None and not calls:
+        return answer_error(text, plan.answer_schema)
     if plan.mode != "auto" and not calls:
         return f"tool_choice {plan.mode!r} finished without a complete {plan.fmt.name} tool call: {text[:80]!r}"
     if not plan.parallel and len(calls) > 1:
