@@ -27,9 +27,14 @@ def test_good_line_parses_with_defaults():
         (_line(colour="red"), "unknown request field"),
         (json.dumps({"id": "x"}), "exactly one of 'prompt' or 'messages'"),
         (_line(max_tokens=0), "max_tokens must be >= 1, got 0"),
-        (_line(temperature=-1), "temperature must be a finite number >= 0, got -1"),
+        (_line(temperature=-1), "temperature must be 0 or a number in [1.175e-38, 3.403e+38]"),
         (_line(top_p=1.5), "top_p"),
-        (_line(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+        (_line(temperature=float("inf")), "temperature must be 0 or a number in"),
+        (_line(temperature=1e308), "(a normal float32 value: the step holds it as one), got 1e+308"),  # a trial
+        (_line(top_p=1e-50), "top_p must be in (0, 1] and at least"),
+        (_line(logit_bias={"٣": 1}), "logit_bias keys must be token ids"),  # an Arabic-Indic 3
+        (_line(prompt="ok", structured_output={"json": {"type": "string", "maxLength": -1}}),
+         "json schema is not a valid JSON Schema (Draft202012): -1 is less than the minimum of 0 (at /maxLength)"),
         (_line(seed=2**63), "seed must be null or an int in [0, 2**63 - 1]"),  # found by the server fuzz
         (_line(top_k=10**30), "top_k must be an int in [-1, 2**31)"),
         (json.dumps({"id": "x", "prompt": "\ud800"}), "prompt is not valid Unicode (lone surrogate U+D800"),

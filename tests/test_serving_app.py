@@ -110,3 +110,21 @@ def test_idle_heartbeats(app_client):
     time.sleep(0.7)
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["heartbeats"] > before
+
+
+def test_a_bug_in_a_handler_is_a_json_500_and_the_server_goes_on(app_client, monkeypatch):
+    import tpguide.serving.app as app_module
+
+    _, state = app_client
+
+    def boom(_body):
+        raise RuntimeError("boom")
+
+    with TestClient(create_app(state), raise_server_exceptions=False) as client:
+        monkeypatch.setattr(app_module, "find_invalid_text", boom)
+        r = chat(client)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"] == {"message": "server error: RuntimeError: boom", "type": "server_error",
+                                     "param": None, "code": "server_fault"}
+        monkeypatch.undo()
+        assert chat(client).status_code == 200 and client.get("/health").status_code == 200

@@ -224,7 +224,7 @@ def expect_error(status, fn, *match):
 def test_bad_requests_get_400_with_the_offline_message(server, client):
     chat = client.chat.completions.create
     expect_error(400, lambda: chat(model=MODEL, messages=user("x"), temperature=-1),
-                 "temperature must be a finite number >= 0")
+                 "temperature must be 0 or a number in")
     expect_error(400, lambda: chat(model=MODEL, messages=user("x"), max_tokens=5000), "exceeds max_model_len=1024")
     expect_error(400, lambda: chat(model=MODEL, messages=user("x"), extra_body={"structured_outputs":
                                                                                 {"regex": "(unclosed"}}),

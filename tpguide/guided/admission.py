@@ -139,11 +139,14 @@ def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> Non
         Lists each unenforced keyword with its JSON pointer into the schema,
         e.g. ``'uniqueItems' is not enforced by xgrammar (at /properties/tags/uniqueItems)``.
     """
-    if not params.strict or params.guide_type not in ("json_schema", "regex"):
+    if not params.strict or params.guide_type not in ("json_schema", "regex", "structural_tag"):
         return
     if params.guide_type == "regex":  # a regex guide is refused where a schema "pattern" like it would be
         found = [(pointer, why.replace("'pattern", "'regex")) for pointer, why in
                  unenforced_keywords({"type": "string", "pattern": params.regex}, backend_name)]
+    elif params.guide_type == "structural_tag":  # each JSON schema inside the tag (tool arguments, answers)
+        found = [(where + pointer, why) for where, schema in tag_schemas(json.loads(params.guide_text))
+                 for pointer, why in unenforced_keywords(schema, backend_name)]
     else:
         found = unenforced_keywords(json.loads(params.guide_text), backend_name)
     if found:
@@ -154,6 +157,19 @@ def check_enforceable(params: StructuredOutputsParams, backend_name: str) -> Non
                      "or a required property)")
         raise GuideRefused(f"schema refused: {shown}{more}; set \"strict\": false in structured_output "
                            f"to run it best effort (the output is still validated)")
+
+
+def tag_schemas(node: Any, pointer: str = "") -> Iterator[Tuple[str, Any]]:
+    """``(JSON pointer, schema)`` of every ``{"type": "json_schema", "json_schema": ...}`` inside a structural tag."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+            yield f"{pointer}/json_schema", node["json_schema"]
+            return
+        for key, value in node.items():
+            yield from tag_schemas(value, f"{pointer}/{_escape(key)}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from tag_schemas(value, f"{pointer}/{i}")
 
 
 def check_first_mask(backend: GuidedBackend, compiled: Any, params: StructuredOutputsParams) -> None:

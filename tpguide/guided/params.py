@@ -50,7 +50,7 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
-from tpguide.guided.schema_check import check_schema_has_finite_instance
+from tpguide.guided.schema_check import check_schema_has_finite_instance, check_valid_schema
 
 #: Accepted values of ``--json-whitespace`` and of a request's ``json_whitespace``.
 WHITESPACE_MODES = ("compact", "bounded", "any")
@@ -210,7 +210,9 @@ class StructuredOutputsParams:
         if key == "json":
             text = _json_object_text("json", value)
             if self.strict:
-                check_schema_has_finite_instance(_json.loads(text))
+                schema = _json.loads(text)
+                check_schema_has_finite_instance(schema)  # first: its reason names the unsatisfiable part
+                check_valid_schema(schema)
             return text
         if key == "structural_tag":
             return _json_object_text("structural_tag", value)

@@ -350,6 +350,23 @@ def import_jsonschema():
     return import_jsonschema_lazily()
 
 
+def check_valid_schema(schema: Any) -> None:
+    """Raise ValueError unless ``schema`` is valid against its dialect's metaschema (``{"maxLength": -1}`` is not).
+
+    An invalid schema is the client's error: refused up front (a 400) rather
+    than generated and then failed by the output check (a 500).  The message
+    names the metaschema's complaint and the JSON pointer of the bad keyword.
+    """
+    jsonschema = import_jsonschema()
+    cls = type(validator_for_schema(schema))
+    try:
+        cls.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        pointer = "".join(f"/{str(p).replace('~', '~0').replace('/', '~1')}" for p in exc.path)
+        raise ValueError(f"json schema is not a valid JSON Schema ({cls.__name__.replace('Validator', '')}): "
+                         f"{exc.message} (at {pointer or '/'})") from None
+
+
 def validator_for_schema(schema: Any) -> jsonschema.protocols.Validator:
     """A :mod:`jsonschema` validator (with format checking) for ``schema``'s dialect.
 

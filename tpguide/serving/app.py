@@ -11,6 +11,7 @@ import hmac
 import itertools
 import json
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -89,6 +90,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, err: APIError):
         return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception):
+        """A bug in a handler: OpenAI's error object with a 500 naming the exception, not a plain-text page
+        (the traceback goes to stderr); the server and the other requests go on."""
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        return _error_response(APIError(500, f"server error: {type(exc).__name__}: {exc}", "server_error",
+                                        code="server_fault"))
 
     app.add_middleware(_LimitsMiddleware, api_key=state.api_key, max_body_bytes=state.max_body_bytes)
 
