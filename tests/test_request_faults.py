@@ -123,3 +123,12 @@ def test_a_ref_that_does_not_resolve_is_refused_and_same_document_refs_pass(back
              "type": "object", "properties": {"a": {"$ref": "#/$defs/s"}, "b": {"$ref": "https://example.com/p.json#/$defs/s"},
                                               "c": {"$ref": "#"}}}
     assert [w for _, w in unenforced_keywords(local, backend) if "$ref" in w] == []
+
+
+def test_a_long_enum_goes_to_llguidance_not_to_xgrammar():
+    """A 14,000-value enum made xgrammar's mask fill run for minutes, blocking the engine loop (a trial)."""
+    schema = {"enum": [f"v{i}" for i in range(14000)]}
+    (pointer, why), = unenforced_keywords(schema, "xgrammar")
+    assert pointer == "/enum" and "an enum of 14000 values" in why and "over xgrammar's 65536" in why
+    assert unenforced_keywords(schema, "llguidance") == []
+    assert unenforced_keywords({"enum": [f"v{i}" for i in range(5000)]}, "xgrammar") == []
