@@ -12,7 +12,10 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   once into panels of :data:`PANEL` columns (:func:`pack_weight`).  bf16 on a
   CPU with AMX: one ``TDPBF16PS`` per 32-wide k tile, k tiles ascending, the
   hardware's fixed order inside a tile (a tile's rows are independent), on
-  weights packed in pairs (VNNI).
+  weights packed in pairs (VNNI).  bf16 on a CPU with AVX512_BF16 (no AMX):
+  one ``VDPBF16PS`` per k pair, pairs ascending, on the same pair layout
+  (:func:`linear_pairs_emulated` is the plain-C emulation of its documented
+  semantics, docs/exactness.md "CPU classes").
 * **attention** (over a paged or dense KV cache): per query token and head,
   each score an fma chain over the head dim (one key per vector lane),
   softmax with a pure-arithmetic ``exp`` (the same bits vectorised or not)
@@ -29,12 +32,16 @@ Each element is computed by one thread, so the thread count does not matter;
 ``fmaf`` is exactly rounded, so the vector code (AVX-512 or AVX2 + FMA
 intrinsics, which repeat the plain C's IEEE operations, or the compiler's
 vectorisation of the portable loops) gives the bits of the scalar code: the same results on every x86-64 CPU class, except bf16 matmuls
-on AMX, whose tile order is the hardware's (fixed, but not the fmaf chain).
+on AMX and AVX512_BF16, whose pair order is the instruction's (fixed, but not
+the fmaf chain): :data:`OWN_BF16_ORDER_ISAS`.
 
-Instruction set: AMX (with AVX-512) where the CPU has AMX-BF16 and the kernel
-grants the tile state, else AVX-512 (F, BW), else AVX2 + FMA, else portable
-C; ``ATEN_CPU_CAPABILITY=avx512``, ``avx2`` or ``default`` forces a narrower
-one (the same variable torch reads), :func:`kernel_isa` names the one in use.  The
+Instruction set (the CPU class): AMX (with AVX-512) where the CPU has AMX-BF16
+and the kernel grants the tile state, else AVX-512 with AVX512_BF16
+(``avx512_bf16``), else AVX-512 (F, BW), else AVX2 + FMA, else portable C;
+``ATEN_CPU_CAPABILITY=avx512``, ``avx2`` or ``default`` forces a narrower one
+(the same variable torch reads; ``avx512`` gives the fmaf-chain bf16 tile on
+an AVX512_BF16 CPU), :func:`kernel_isa` names the one in use and
+:func:`matmul_instruction` the instruction a matmul of a dtype runs on.  The
 library is compiled on first use (:mod:`tpguide.kernels.c_library`) with
 OpenMP; the ``libgomp`` torch has loaded serves both, so no second thread pool
 spins beside torch's.
@@ -62,10 +69,16 @@ MAX_ROWS = 64
 BASE_CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
 ISA_CFLAGS = {
     "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"),
+    "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512bf16", "-mprefer-vector-width=512"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512"),
     "avx2": ("-mavx2", "-mfma"),
     "default": (),
 }
+#: The classes, narrowest first (``choose_isa``'s order).
+ISA_ORDER = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+#: Classes whose bf16 matmuls run the instruction's own pair order, not the fmaf chain: their bf16
+#: bits differ from the other classes' (docs/exactness.md "CPU classes").
+OWN_BF16_ORDER_ISAS = ("avx512_bf16", "amx")
 #: Weight / activation dtype codes of the C kernels.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 
@@ -88,17 +101,20 @@ def cpu_flags() -> set[str]:
 
 
 def choose_isa(flags: set[str], forced: Optional[str]) -> str:
-    """``"amx"``, ``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
+    """A name of :data:`ISA_ORDER`: the widest class the CPU has, capped by ``forced``.
 
-    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (one of those names; None
-    or empty = unset); an unknown value raises ``ValueError`` naming it.
+    ``flags`` are ``/proc/cpuinfo``'s (:func:`cpu_flags`); ``forced`` is
+    ``ATEN_CPU_CAPABILITY``'s value (one of those names; None or empty =
+    unset); an unknown value raises ``ValueError`` naming it.
     """
-    order = ["default", "avx2", "avx512", "amx"]
+    order = list(ISA_ORDER)
     have = "default"
     if {"avx2", "fma"} <= flags:
         have = "avx2"
     if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
         have = "avx512"
+        if "avx512_bf16" in flags:
+            have = "avx512_bf16"
         if {"amx_tile", "amx_bf16"} <= flags:
             have = "amx"
     if forced is None or not forced.strip():  # unset or empty: torch ignores it too
@@ -114,10 +130,11 @@ def _load() -> ctypes.CDLL:
     if _LIB is None:
         with _LOCK:
             if _LIB is None:
-                isa = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
+                flags = cpu_flags()
+                isa = choose_isa(flags, os.environ.get("ATEN_CPU_CAPABILITY"))
                 lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
                 if isa == "amx" and lib.tpguide_amx_init() != 0:  # the OS refused the tile state
-                    isa = "avx512"
+                    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512"
                     lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
                 if isa == "amx":
                     lib.tpguide_linear_units_amx.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64,
@@ -126,6 +143,10 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                                      _i64)
                 lib.tpguide_linear_units.restype = ctypes.c_int
+                lib.tpguide_linear_units_pairs.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64,
+                                                           _i64, _i64, _i64)
+                lib.tpguide_linear_units_pairs.restype = ctypes.c_int
+                lib.tpguide_has_dpbf16.restype = ctypes.c_int
                 lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
                 lib.tpguide_sum_units.restype = None
                 lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
@@ -159,6 +180,18 @@ def kernel_isa() -> str:
     return _ISA
 
 
+def matmul_instruction(dtype: torch.dtype) -> str:
+    """The instruction a fixed-order matmul of ``dtype`` weights runs on in this process, with its class.
+
+    E.g. ``"VDPBF16PS (avx512_bf16)"`` for bf16 on an AVX512_BF16 CPU, ``"VFMADD231PS zmm (avx512_bf16)"``
+    for fp32 there, ``"fmaf (default)"`` for the portable build (compiles the kernels on first call).
+    """
+    isa = kernel_isa()
+    if dtype == torch.bfloat16 and isa in OWN_BF16_ORDER_ISAS:
+        return f"{'TDPBF16PS' if isa == 'amx' else 'VDPBF16PS'} ({isa})"
+    return f"{'fmaf' if isa == 'default' else 'VFMADD231PS ' + ('ymm' if isa == 'avx2' else 'zmm')} ({isa})"
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -179,14 +212,18 @@ class PackedWeight:
     panels : torch.Tensor
         ``[U, ceil(N / PANEL), K_unit, PANEL]`` in the weight's dtype (fp32 or
         bf16), zero past column ``N``: ``panels[u, p, k, j] = w[p*PANEL + j, u*K_unit + k]``;
-        bf16 on AMX ``[U, ceil(N / PANEL), K_pad / 2, PANEL, 2]`` (k pairs adjacent,
-        ``K_pad`` = ``K_unit`` rounded up to 32, zero past ``K_unit``).
+        bf16 on AMX and AVX512_BF16 ``[U, ceil(N / PANEL), K_pad / 2, PANEL, 2]`` (k pairs
+        adjacent, ``K_pad`` = ``K_unit`` rounded up to 32 on AMX, to 2 on AVX512_BF16,
+        zero past ``K_unit``).
     out_features, unit_size, num_units : int
         ``N``, ``K_unit``, ``U``.
     padded_unit_size : int
-        ``K_pad`` on AMX, else ``K_unit``.
+        ``K_pad`` in the pair layouts, else ``K_unit``.
     source_version : tuple
         ``(data_ptr, _version)`` of the weight it was packed from (to notice an in-place update).
+    isa : str
+        The class it was packed for (:func:`kernel_isa`; only ``"amx"`` and
+        ``"avx512_bf16"`` change the layout, and only for bf16).
     """
 
     panels: torch.Tensor
@@ -195,11 +232,17 @@ class PackedWeight:
     num_units: int
     source_version: tuple
     padded_unit_size: int
+    isa: str = "default"
 
     @property
     def amx(self) -> bool:
         """Packed for the AMX tile kernel (bf16 on an AMX CPU)."""
-        return self.panels.dim() == 5
+        return self.panels.dim() == 5 and self.isa == "amx"
+
+    @property
+    def pairs(self) -> bool:
+        """Packed for the ``VDPBF16PS`` pair kernel (bf16 on an AVX512_BF16 CPU without AMX)."""
+        return self.panels.dim() == 5 and self.isa == "avx512_bf16"
 
 
 def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
@@ -217,18 +260,19 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     if num_units < 1 or k % num_units:
         raise ValueError(f"in_features={k} is not divisible by num_units={num_units}")
     unit = k // num_units
-    amx = weight.dtype == torch.bfloat16 and kernel_isa() == "amx"
-    padded_unit = -(-unit // 32) * 32 if amx else unit
+    isa = kernel_isa()
+    pairs = weight.dtype == torch.bfloat16 and isa in OWN_BF16_ORDER_ISAS
+    padded_unit = -(-unit // (32 if isa == "amx" else 2)) * (32 if isa == "amx" else 2) if pairs else unit
     num_panels = -(-n // PANEL)
     rows = weight.reshape(n, num_units, unit)  # [N, U, K_unit]
-    if amx:  # [U, P, K_pad / 2, PANEL, 2]: one B tile row holds 16 columns' k pairs
+    if pairs:  # [U, P, K_pad / 2, PANEL, 2]: 16 columns' k pairs per AMX B tile row or per zmm
         padded = weight.new_empty((num_panels, PANEL, num_units, padded_unit))
         _copy_zero_padded(padded, rows)
         panels = padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
     else:  # written in place through a [P, PANEL, U, K_unit] view: one pass over the weight, no zeroing pass
         panels = weight.new_empty((num_units, num_panels, unit, PANEL))
         _copy_zero_padded(panels.permute(1, 3, 0, 2), rows)
-    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit)
+    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit, isa)
 
 
 def _copy_zero_padded(dst: torch.Tensor, rows: torch.Tensor) -> None:
@@ -255,7 +299,7 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     ----------
     x : torch.Tensor
         ``[M, U * K_unit]`` fp32 or bf16 on CPU (tokens, input features); bf16 is widened exactly
-        (cast to bf16 for weights packed for AMX).
+        (cast to bf16 for weights packed in pairs: AMX, AVX512_BF16).
     packed : PackedWeight
     sum_units : bool
         True: fp32 ``[M, N]``, the units added in unit order.  False: fp32
@@ -282,20 +326,73 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     n, u = packed.out_features, packed.num_units
     out = torch.empty((m, n) if sum_units else (u, m, n), dtype=out_dtype)
     if m and packed.amx:
-        kp = packed.padded_unit_size
-        xb = x.to(torch.bfloat16)
-        if kp != packed.unit_size:  # zero columns up to the tile width, per unit
-            xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
-        xb = xb.reshape(m, u * kp).contiguous()
+        kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
                                               out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units_amx returned {status}"
+    elif m and packed.pairs:
+        kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
+        status = lib.tpguide_linear_units_pairs(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
+                                                out.data_ptr(), out_code, int(sum_units), 1, 0, _threads())
+        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
     elif m:
         xf = x.float().contiguous()
         status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
                                           DTYPE_CODES[packed.panels.dtype], packed.unit_size, u, n,
                                           out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units returned {status}"
+    return out
+
+
+def _pair_rows(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """bf16 ``[M, U * K_pad]`` contiguous: ``x`` cast to bf16, each unit zero-padded to ``K_pad`` columns."""
+    m, kp, u = x.shape[0], packed.padded_unit_size, packed.num_units
+    xb = x.to(torch.bfloat16)
+    if kp != packed.unit_size:  # zero columns up to the pair / tile width, per unit
+        xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
+    return xb.reshape(m, u * kp).contiguous()
+
+
+def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, odd_first: bool = True,
+                          sum_units: bool = True) -> torch.Tensor:
+    """:func:`linear_fixed_order` of a pair-packed bf16 weight on the plain-C emulation of the instruction.
+
+    Every output element is the chain of pair steps of the Intel SDM's
+    pseudo-code, each ``+=`` one fp32 FMA rounded to nearest even with
+    denormal inputs read as zero and denormal results flushed to a zero of
+    their sign: ``VDPBF16PS`` (``odd_first``: element ``2p + 1`` first) or
+    ``TDPBF16PS`` (element ``2p`` first), pairs ascending from 0
+    (docs/exactness.md "CPU classes").  Runs on every CPU; where the CPU has
+    the instruction, the kernel in use gives these bits.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, U * K_unit]`` on CPU (cast to bf16).
+    packed : PackedWeight
+        Packed in pairs (``packed.pairs`` or ``packed.amx``).
+    odd_first : bool
+    sum_units : bool
+        As :func:`linear_fixed_order`: fp32 ``[M, N]`` or ``[U, M, N]``.
+
+    Raises
+    ------
+    ValueError
+        ``packed`` is not in a pair layout, or ``x``'s width does not match.
+    """
+    if packed.panels.dim() != 5:
+        raise ValueError(f"the weight is packed for the {packed.isa} fmaf chain, not in k pairs")
+    m, k = x.shape
+    if k != packed.unit_size * packed.num_units:
+        raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    n, u, kp = packed.out_features, packed.num_units, packed.padded_unit_size
+    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
+    if m:
+        xb = _pair_rows(x, packed)
+        status = (_LIB or _load()).tpguide_linear_units_pairs(
+            xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n, out.data_ptr(), 0, int(sum_units),
+            int(odd_first), 1, _threads())
+        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
     return out
 
 

@@ -1,0 +1,168 @@
+"""The bf16 pair kernels (``VDPBF16PS``, ``TDPBF16PS``): the plain-C emulation of the manuals' pseudo-code
+against a scalar numpy oracle on every machine, and the instruction against the emulation where the CPU has it.
+
+The oracle computes each ``+=`` of the Intel SDM's pseudo-code in float64 (a
+bf16 x bf16 product is exact there, and one float64 rounding then the fp32
+cast rounds as one fp32 FMA: 53 >= 2 * 24 + 2), reads denormal bf16 inputs as
+zeros and flushes denormal fp32 results to zeros of their sign.  The edge data
+put denormal inputs, products below fp32's normal range and cancelling sums
+into every chain (docs/exactness.md "CPU classes").
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from tpguide.kernels import fixed_order_cpu
+from tpguide.kernels.c_library import load_library
+from tpguide.kernels.fixed_order_cpu import (
+    BASE_CFLAGS,
+    ISA_CFLAGS,
+    SOURCE,
+    cpu_flags,
+    kernel_isa,
+    linear_fixed_order,
+    linear_pairs_emulated,
+    pack_weight,
+)
+
+SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 64, 130, 2)]  # (M, N, K, units): odd K_unit too
+
+
+def bf16_bits(shape, seed, edge, huge=False):
+    """bf16 ``shape``: N(0, 1) values, or (``edge``) a mix of those, bf16 denormals, tiny normals and zeros,
+    row 0 all denormals and row 1 all tiny; ``huge`` puts values of 2^40 .. 2^60 in the even rows (the
+    weights': a denormal times one is then far above fp32's normal range, so reading it as zero shows; a
+    tiny value times an odd row's value is often below it, so flushing shows)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    if not edge:
+        return x
+    bits = x.view(torch.int16).clone()
+    kind = torch.randint(0, 8, shape, generator=g)
+    sign = torch.randint(0, 2, shape, generator=g).to(torch.int16) << 15
+    mantissa = torch.randint(0, 128, shape, generator=g).to(torch.int16)
+    denormal = sign | torch.clamp(mantissa, min=1)  # exponent 0: read as zero by the instructions
+    tiny = sign | (torch.randint(1, 6, shape, generator=g).to(torch.int16) << 7) | mantissa  # 2^-126 .. 2^-120
+    big = sign | (torch.randint(167, 188, shape, generator=g).to(torch.int16) << 7) | mantissa  # 2^40 .. 2^60
+    bits = torch.where(kind == 0, denormal, torch.where(kind == 1, tiny, torch.where(kind == 2, sign, bits)))
+    if huge:
+        bits = torch.where((kind == 3) & (torch.arange(shape[0])[:, None] % 2 == 0), big, bits)
+    elif shape[0] > 2:
+        bits[0], bits[1] = denormal[0], tiny[1]
+    return bits.view(torch.bfloat16)
+
+
+def pair_chain_oracle(x, w, odd_first=True, daz=True, ftz=True):
+    """fp32 ``[M, N]``: the pseudo-code's chain of pair steps, pairs ascending from 0, each element in numpy.
+
+    ``x [M, K]``, ``w [N, K]`` bf16 (K padded with a zero to even); ``daz`` / ``ftz`` off give the variants
+    the edge data must tell apart.
+    """
+    def widen(t):
+        b = t.contiguous().view(torch.int16).numpy().astype(np.uint16)
+        if daz:
+            b = np.where(b & 0x7F80, b, b & 0x8000).astype(np.uint16)
+        return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    xd, wd = widen(x), widen(w)
+    if xd.shape[1] % 2:
+        xd, wd = np.pad(xd, ((0, 0), (0, 1))), np.pad(wd, ((0, 0), (0, 1)))
+    acc = np.zeros((xd.shape[0], wd.shape[0]), dtype=np.float32)
+    for p in range(xd.shape[1] // 2):
+        for e in ((2 * p + 1, 2 * p) if odd_first else (2 * p, 2 * p + 1)):
+            s = (acc.astype(np.float64) + np.outer(xd[:, e], wd[:, e])).astype(np.float32)
+            acc = np.where(np.abs(s) < np.float32(2.0 ** -126), np.copysign(np.float32(0), s), s) if ftz else s
+    return torch.from_numpy(acc)
+
+
+def oracle_by_units(x, w, units, **variant):
+    """The units' chains added in unit order (``linear_fixed_order``'s ``sum_units``)."""
+    k = x.shape[1] // units
+    parts = [pair_chain_oracle(x[:, u * k:(u + 1) * k], w[:, u * k:(u + 1) * k], **variant) for u in range(units)]
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def pack_pairs(w, units, isa, monkeypatch):
+    """``pack_weight`` in the pair layout of ``isa`` (``"avx512_bf16"``: K to 2, ``"amx"``: K to 32), any CPU."""
+    with monkeypatch.context() as m:
+        m.setattr(fixed_order_cpu, "kernel_isa", lambda: isa)
+        return pack_weight(w, units)
+
+
+def bits_equal(a, b):
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))  # -0.0 and +0.0 told apart
+
+
+@pytest.mark.parametrize("odd_first,isa", [(True, "avx512_bf16"), (False, "amx")], ids=["VDPBF16PS", "TDPBF16PS"])
+@pytest.mark.parametrize("edge", [False, True], ids=["normal", "edge"])
+@pytest.mark.parametrize(("m", "n", "k", "units"), SHAPES)
+def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, odd_first, isa, monkeypatch):
+    x, w = bf16_bits((m, k), 1 + m, edge), bf16_bits((n, k), 2 + n, edge, huge=True)
+    packed = pack_pairs(w, units, isa, monkeypatch)
+    got = linear_pairs_emulated(x, packed, odd_first=odd_first)
+    assert bits_equal(got, oracle_by_units(x, w, units, odd_first=odd_first))
+    partials = linear_pairs_emulated(x, packed, odd_first=odd_first, sum_units=False)
+    kk = k // units
+    for u in range(units):
+        assert bits_equal(partials[u], pair_chain_oracle(x[:, u * kk:(u + 1) * kk], w[:, u * kk:(u + 1) * kk],
+                                                         odd_first=odd_first))
+
+
+def test_the_edge_data_tell_the_order_and_the_flushes_apart(monkeypatch):
+    """Each variant of the pseudo-code (other pair order, no DAZ, no FTZ) differs somewhere on the edge data."""
+    m, n, k, units = SHAPES[-1]
+    x, w = bf16_bits((m, k), 1 + m, True), bf16_bits((n, k), 2 + n, True, huge=True)
+    want = oracle_by_units(x, w, units)
+    for variant in ({"odd_first": False}, {"daz": False}, {"ftz": False}):
+        assert not bits_equal(oracle_by_units(x, w, units, **variant), want), variant
+
+
+def dpbf16_library():
+    """The kernels built for ``avx512_bf16`` (on an AMX CPU too: its own build has no VDPBF16PS tile)."""
+    if "avx512_bf16" not in cpu_flags() or not {"avx512f", "avx512bw", "avx512vl", "fma"} <= cpu_flags():
+        pytest.skip("this CPU lacks VDPBF16PS (AVX512_BF16 with AVX-512 F/BW/VL): the emulation alone is checked")
+    lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS["avx512_bf16"])
+    assert lib.tpguide_has_dpbf16() == 1
+    lib.tpguide_linear_units_pairs.argtypes = (ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
+                                               *[ctypes.c_int64] * 3, ctypes.c_void_p, *[ctypes.c_int64] * 5)
+    return lib
+
+
+@pytest.mark.parametrize("edge", [False, True], ids=["normal", "edge"])
+@pytest.mark.parametrize(("m", "n", "k", "units"), SHAPES)
+def test_vdpbf16ps_kernel_equals_the_emulation(m, n, k, units, edge, monkeypatch):
+    lib = dpbf16_library()
+    x, w = bf16_bits((m, k), 3 + m, edge), bf16_bits((n, k), 4 + n, edge, huge=True)
+    packed = pack_pairs(w, units, "avx512_bf16", monkeypatch)
+    xb = fixed_order_cpu._pair_rows(x, packed)
+    kp = packed.padded_unit_size
+    for sum_units in (1, 0):
+        for threads in (1, 2):
+            outs = []
+            for emulate in (0, 1):
+                out = torch.empty((m, n) if sum_units else (units, m, n), dtype=torch.float32)
+                assert lib.tpguide_linear_units_pairs(xb.data_ptr(), m, units * kp, packed.panels.data_ptr(), kp,
+                                                      units, n, out.data_ptr(), 0, sum_units, 1, emulate,
+                                                      threads) == 0
+                outs.append(out)
+            assert bits_equal(*outs), (sum_units, threads)
+
+
+def test_tdpbf16ps_kernel_equals_the_emulation():
+    if kernel_isa() != "amx":
+        pytest.skip(f"this CPU runs the {kernel_isa()} kernels, not TDPBF16PS (AMX-BF16 with the OS's tile state)")
+    for m, n, k, units in SHAPES:
+        for edge in (False, True):
+            x, w = bf16_bits((m, k), 5 + m, edge), bf16_bits((n, k), 6 + n, edge, huge=True)
+            packed = pack_weight(w, units)
+            assert packed.amx
+            assert bits_equal(linear_fixed_order(x, packed), linear_pairs_emulated(x, packed, odd_first=False)), \
+                (m, n, k, units, edge)
