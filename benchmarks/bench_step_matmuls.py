@@ -15,7 +15,8 @@ count of ``--rows`` (decode batches, verify passes, prefill chunks), in
 
 Each timing is the fastest of ``--repeats`` interleaved runs (a shared
 machine slows all three alike); the ratios are the result.  Prints the CPU
-model and the kernel's instruction set.
+model and the instruction the fixed-order kernel runs on, with its class
+(``VDPBF16PS (avx512_bf16)``, ``TDPBF16PS (amx)``, ``VFMADD231PS zmm (avx512)``, ...).
 
 Usage::
 
@@ -33,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from tpguide.kernels.fixed_order_cpu import kernel_isa, linear_fixed_order, pack_weight
+from tpguide.kernels.fixed_order_cpu import linear_fixed_order, matmul_instruction, pack_weight
 from tpguide.model.config import ModelConfig
 from tpguide.model.default_model import default_model_dir
 from tpguide.model.invariant_reduce import reduction_block_size
@@ -95,8 +96,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     config = ModelConfig.from_pretrained(args.model or default_model_dir())
-    print(f"CPU {cpu_model()}; kernel ISA {kernel_isa()}; torch {torch.__version__}; {args.dtype}, "
-          f"{args.threads} thread(s)")
+    print(f"CPU {cpu_model()}; fixed-order kernel: {matmul_instruction(dtype)}; torch {torch.__version__}; "
+          f"{args.dtype}, {args.threads} thread(s)")
     print(f"{'rows':>5} | {'matmul':12} | {'fixed ms':>9} | {'F.linear ms':>11} | {'oneDNN ms':>9} | "
           f"{'fixed/F.linear':>14} | {'fixed/oneDNN':>12}")
     gen = torch.Generator().manual_seed(0)
