@@ -196,6 +196,21 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+#: Elements an element-wise kernel gives each thread at least: below it a parallel region costs
+#: more than it saves (waking a sleeping thread on a shared machine takes tens of microseconds).
+ELEMENTS_PER_THREAD = 16384
+
+
+def threads_for(elements: int) -> int:
+    """Threads for an element-wise kernel over ``elements`` values: ``torch.get_num_threads()``, capped so
+    that each thread gets at least :data:`ELEMENTS_PER_THREAD` (1 for a decode step's norms and rotary).
+
+    Every row (or element) is computed by one thread in the same order whatever the count, so the
+    count changes no bit (docs/exactness.md).
+    """
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD))
+
+
 def _dtype_code(t: torch.Tensor, what: str) -> int:
     code = DTYPE_CODES.get(t.dtype)
     if code is None:
@@ -400,7 +415,7 @@ def sum_units_fixed_order(partials: torch.Tensor) -> torch.Tensor:
     """fp32 ``[U, ...] -> [...]``: ``((p[0] + p[1]) + p[2]) + ...``, the unit order, element by element."""
     p = partials.float().contiguous()
     out = torch.empty(p.shape[1:], dtype=torch.float32)
-    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), _threads())
+    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), threads_for(p.numel()))
     return out
 
 
@@ -506,7 +521,7 @@ def mean_square_fixed_order(x: torch.Tensor) -> torch.Tensor:
     rows, d = xf.shape
     out = torch.empty(rows, 1, dtype=torch.float32)
     if rows:
-        (_LIB or _load()).tpguide_mean_square(xf.data_ptr(), rows, d, out.data_ptr(), _threads())
+        (_LIB or _load()).tpguide_mean_square(xf.data_ptr(), rows, d, out.data_ptr(), threads_for(xf.numel()))
     return out
 
 
@@ -523,5 +538,6 @@ def unary_fixed_order(x: torch.Tensor, op: str, param: float = 0.0) -> torch.Ten
     xf = x.float().contiguous()
     out = torch.empty_like(xf)
     if xf.numel():
-        (_LIB or _load()).tpguide_unary(xf.data_ptr(), xf.numel(), code, float(param), out.data_ptr(), _threads())
+        (_LIB or _load()).tpguide_unary(xf.data_ptr(), xf.numel(), code, float(param), out.data_ptr(),
+                                        threads_for(xf.numel()))
     return out
