@@ -90,13 +90,6 @@ def oracle_by_units(x, w, units, **variant):
     return total
 
 
-def pack_pairs(w, units, isa, monkeypatch):
-    """``pack_weight`` in the pair layout of ``isa`` (``"avx512_bf16"``: K to 2, ``"amx"``: K to 32), any CPU."""
-    with monkeypatch.context() as m:
-        m.setattr(fixed_order_cpu, "kernel_isa", lambda: isa)
-        return pack_weight(w, units)
-
-
 def bits_equal(a, b):
     return torch.equal(a.view(torch.int32), b.view(torch.int32))  # -0.0 and +0.0 told apart
 
@@ -104,9 +97,9 @@ def bits_equal(a, b):
 @pytest.mark.parametrize("odd_first,isa", [(True, "avx512_bf16"), (False, "amx")], ids=["VDPBF16PS", "TDPBF16PS"])
 @pytest.mark.parametrize("edge", [False, True], ids=["normal", "edge"])
 @pytest.mark.parametrize(("m", "n", "k", "units"), SHAPES)
-def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, odd_first, isa, monkeypatch):
+def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, odd_first, isa):
     x, w = bf16_bits((m, k), 1 + m, edge), bf16_bits((n, k), 2 + n, edge, huge=True)
-    packed = pack_pairs(w, units, isa, monkeypatch)
+    packed = pack_weight(w, units, isa=isa)
     got = linear_pairs_emulated(x, packed, odd_first=odd_first)
     assert bits_equal(got, oracle_by_units(x, w, units, odd_first=odd_first))
     partials = linear_pairs_emulated(x, packed, odd_first=odd_first, sum_units=False)
@@ -116,7 +109,7 @@ def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, odd_first, isa
                                                          odd_first=odd_first))
 
 
-def test_the_edge_data_tell_the_order_and_the_flushes_apart(monkeypatch):
+def test_the_edge_data_tell_the_order_and_the_flushes_apart():
     """Each variant of the pseudo-code (other pair order, no DAZ, no FTZ) differs somewhere on the edge data."""
     m, n, k, units = SHAPES[-1]
     x, w = bf16_bits((m, k), 1 + m, True), bf16_bits((n, k), 2 + n, True, huge=True)
@@ -138,10 +131,10 @@ def dpbf16_library():
 
 @pytest.mark.parametrize("edge", [False, True], ids=["normal", "edge"])
 @pytest.mark.parametrize(("m", "n", "k", "units"), SHAPES)
-def test_vdpbf16ps_kernel_equals_the_emulation(m, n, k, units, edge, monkeypatch):
+def test_vdpbf16ps_kernel_equals_the_emulation(m, n, k, units, edge):
     lib = dpbf16_library()
     x, w = bf16_bits((m, k), 3 + m, edge), bf16_bits((n, k), 4 + n, edge, huge=True)
-    packed = pack_pairs(w, units, "avx512_bf16", monkeypatch)
+    packed = pack_weight(w, units, isa="avx512_bf16")
     xb = fixed_order_cpu._pair_rows(x, packed)
     kp = packed.padded_unit_size
     for sum_units in (1, 0):
@@ -166,3 +159,17 @@ def test_tdpbf16ps_kernel_equals_the_emulation():
             assert packed.amx
             assert bits_equal(linear_fixed_order(x, packed), linear_pairs_emulated(x, packed, odd_first=False)), \
                 (m, n, k, units, edge)
+
+
+def test_a_layout_this_process_cannot_run_is_refused():
+    x, w = bf16_bits((2, 8), 1, False), bf16_bits((3, 8), 2, False)
+    if kernel_isa() != "amx":
+        with pytest.raises(ValueError, match="packed for AMX tiles"):
+            linear_fixed_order(x, pack_weight(w, isa="amx"))
+    if not fixed_order_cpu.library().tpguide_has_dpbf16():
+        with pytest.raises(ValueError, match="packed for VDPBF16PS"):
+            linear_fixed_order(x, pack_weight(w, isa="avx512_bf16"))
+    with pytest.raises(ValueError, match="not in k pairs"):
+        linear_pairs_emulated(x, pack_weight(w, isa="avx2"))
+    with pytest.raises(ValueError, match="isa='zen4'"):
+        pack_weight(w, isa="zen4")

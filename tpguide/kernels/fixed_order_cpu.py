@@ -260,14 +260,21 @@ class PackedWeight:
         return self.panels.dim() == 5 and self.isa == "avx512_bf16"
 
 
-def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, num_units: int = 1, isa: Optional[str] = None) -> PackedWeight:
     """Pack ``weight [N, K]`` (any strides, CPU, fp32 or bf16) into panels; ``K % num_units == 0``.
+
+    ``isa``: the class to pack for, a name of :data:`ISA_ORDER` (default
+    :func:`kernel_isa`); ``"avx512"`` on an AVX512_BF16 or AMX CPU gives the
+    fmaf-chain layout (benchmarks compare the two), and any pair layout can be
+    packed anywhere for :func:`linear_pairs_emulated`.
 
     Raises
     ------
     ValueError
-        Another dtype or device, or ``K`` not divisible by ``num_units``.
+        Another dtype or device, ``K`` not divisible by ``num_units``, or an unknown ``isa``.
     """
+    if isa is not None and isa not in ISA_ORDER:
+        raise ValueError(f"isa={isa!r} is not one of {ISA_ORDER}")
     _dtype_code(weight, "weight")
     if weight.device.type != "cpu":
         raise ValueError(f"fixed-order CPU kernels need CPU tensors, got weight on {weight.device}")
@@ -275,7 +282,7 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     if num_units < 1 or k % num_units:
         raise ValueError(f"in_features={k} is not divisible by num_units={num_units}")
     unit = k // num_units
-    isa = kernel_isa()
+    isa = isa or kernel_isa()
     pairs = weight.dtype == torch.bfloat16 and isa in OWN_BF16_ORDER_ISAS
     padded_unit = -(-unit // (32 if isa == "amx" else 2)) * (32 if isa == "amx" else 2) if pairs else unit
     num_panels = -(-n // PANEL)
@@ -328,12 +335,15 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     Raises
     ------
     ValueError
-        ``x``'s width does not match the weight, or ``out_dtype`` is not fp32 or
-        bf16 (bf16 with ``sum_units=False``).
+        ``x``'s width does not match the weight, ``out_dtype`` is not fp32 or
+        bf16 (bf16 with ``sum_units=False``), or the weight is packed for a
+        pair kernel this process lacks (``pack_weight``'s ``isa``).
     """
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    if packed.amx and kernel_isa() != "amx":
+        raise ValueError(f"the weight is packed for AMX tiles, this process runs the {kernel_isa()} kernels")
     out_code = DTYPE_CODES.get(out_dtype)
     if out_code is None or (out_code and not sum_units):
         raise ValueError(f"out_dtype must be float32, or bfloat16 with sum_units=True, got {out_dtype}")
@@ -346,6 +356,8 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
                                               out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units_amx returned {status}"
     elif m and packed.pairs:
+        if not lib.tpguide_has_dpbf16():
+            raise ValueError(f"the weight is packed for VDPBF16PS, this process runs the {kernel_isa()} kernels")
         kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_pairs(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
                                                 out.data_ptr(), out_code, int(sum_units), 1, 0, _threads())
