@@ -22,6 +22,7 @@ from tpguide.kernels.c_library import load_library
 from tpguide.kernels.fixed_order_cpu import (
     BASE_CFLAGS,
     ISA_CFLAGS,
+    PAIR_INSTRUCTIONS,
     SOURCE,
     cpu_flags,
     kernel_isa,
@@ -57,11 +58,12 @@ def bf16_bits(shape, seed, edge, huge=False):
     return bits.view(torch.bfloat16)
 
 
-def pair_chain_oracle(x, w, odd_first=True, daz=True, ftz=True):
-    """fp32 ``[M, N]``: the pseudo-code's chain of pair steps, pairs ascending from 0, each element in numpy.
+def pair_chain_oracle(x, w, instruction="VDPBF16PS", daz=True, ftz=True, order=None):
+    """fp32 ``[M, N]``: the SDM pseudo-code of ``instruction`` from 0, each element in numpy.
 
-    ``x [M, K]``, ``w [N, K]`` bf16 (K padded with a zero to even); ``daz`` / ``ftz`` off give the variants
-    the edge data must tell apart.
+    ``x [M, K]``, ``w [N, K]`` bf16, K zero-padded to a pair (a 32-wide tile for TDPBF16PS).
+    ``daz`` / ``ftz`` off and ``order`` (``"even-first"``: one chain, each pair's even element first,
+    the intrinsics guide's simpler text) give the variants the edge data must tell apart.
     """
     def widen(t):
         b = t.contiguous().view(torch.int16).numpy().astype(np.uint16)
@@ -69,14 +71,27 @@ def pair_chain_oracle(x, w, odd_first=True, daz=True, ftz=True):
             b = np.where(b & 0x7F80, b, b & 0x8000).astype(np.uint16)
         return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
+    def add(a, b):  # one fp32 rounding of an exact float64 sum (53 >= 2 * 24 + 2: no double-rounding error)
+        s = (a.astype(np.float64) + b).astype(np.float32)
+        return np.where(np.abs(s) < np.float32(2.0 ** -126), np.copysign(np.float32(0), s), s) if ftz else s
+
     xd, wd = widen(x), widen(w)
-    if xd.shape[1] % 2:
-        xd, wd = np.pad(xd, ((0, 0), (0, 1))), np.pad(wd, ((0, 0), (0, 1)))
-    acc = np.zeros((xd.shape[0], wd.shape[0]), dtype=np.float32)
-    for p in range(xd.shape[1] // 2):
-        for e in ((2 * p + 1, 2 * p) if odd_first else (2 * p, 2 * p + 1)):
-            s = (acc.astype(np.float64) + np.outer(xd[:, e], wd[:, e])).astype(np.float32)
-            acc = np.where(np.abs(s) < np.float32(2.0 ** -126), np.copysign(np.float32(0), s), s) if ftz else s
+    width = 32 if instruction == "TDPBF16PS" else 2
+    pad = -xd.shape[1] % width
+    xd, wd = np.pad(xd, ((0, 0), (0, pad))), np.pad(wd, ((0, 0), (0, pad)))
+    zeros = np.zeros((xd.shape[0], wd.shape[0]), dtype=np.float32)
+    acc = zeros
+    if instruction == "VDPBF16PS" or order == "even-first":
+        for p in range(xd.shape[1] // 2):
+            for e in ((2 * p, 2 * p + 1) if order == "even-first" else (2 * p + 1, 2 * p)):
+                acc = add(acc, np.outer(xd[:, e], wd[:, e]))  # a bf16 x bf16 product is exact in float64
+        return torch.from_numpy(acc)
+    for k0 in range(0, xd.shape[1], 32):  # TDPBF16PS: per tile an even and an odd chain, then their sum
+        even, odd = zeros, zeros
+        for p in range(k0 // 2, k0 // 2 + 16):
+            even = add(even, np.outer(xd[:, 2 * p], wd[:, 2 * p]))
+            odd = add(odd, np.outer(xd[:, 2 * p + 1], wd[:, 2 * p + 1]))
+        acc = add(acc, add(even, odd.astype(np.float64)).astype(np.float64))
     return torch.from_numpy(acc)
 
 
@@ -94,28 +109,33 @@ def bits_equal(a, b):
     return torch.equal(a.view(torch.int32), b.view(torch.int32))  # -0.0 and +0.0 told apart
 
 
-@pytest.mark.parametrize("odd_first,isa", [(True, "avx512_bf16"), (False, "amx")], ids=["VDPBF16PS", "TDPBF16PS"])
+@pytest.mark.parametrize("instruction,isa", [("VDPBF16PS", "avx512_bf16"), ("TDPBF16PS", "amx")],
+                         ids=["VDPBF16PS", "TDPBF16PS"])
 @pytest.mark.parametrize("edge", [False, True], ids=["normal", "edge"])
 @pytest.mark.parametrize(("m", "n", "k", "units"), SHAPES)
-def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, odd_first, isa):
+def test_emulation_equals_the_scalar_oracle(m, n, k, units, edge, instruction, isa):
     x, w = bf16_bits((m, k), 1 + m, edge), bf16_bits((n, k), 2 + n, edge, huge=True)
     packed = pack_weight(w, units, isa=isa)
-    got = linear_pairs_emulated(x, packed, odd_first=odd_first)
-    assert bits_equal(got, oracle_by_units(x, w, units, odd_first=odd_first))
-    partials = linear_pairs_emulated(x, packed, odd_first=odd_first, sum_units=False)
+    got = linear_pairs_emulated(x, packed, instruction)
+    assert bits_equal(got, oracle_by_units(x, w, units, instruction=instruction))
+    partials = linear_pairs_emulated(x, packed, instruction, sum_units=False)
     kk = k // units
     for u in range(units):
         assert bits_equal(partials[u], pair_chain_oracle(x[:, u * kk:(u + 1) * kk], w[:, u * kk:(u + 1) * kk],
-                                                         odd_first=odd_first))
+                                                         instruction=instruction))
 
 
-def test_the_edge_data_tell_the_order_and_the_flushes_apart():
-    """Each variant of the pseudo-code (other pair order, no DAZ, no FTZ) differs somewhere on the edge data."""
+@pytest.mark.parametrize("instruction", ["VDPBF16PS", "TDPBF16PS"])
+def test_the_edge_data_tell_the_order_and_the_flushes_apart(instruction):
+    """Each variant of the pseudo-code (another order, no DAZ, no FTZ) differs somewhere on the edge data."""
     m, n, k, units = SHAPES[-1]
     x, w = bf16_bits((m, k), 1 + m, True), bf16_bits((n, k), 2 + n, True, huge=True)
-    want = oracle_by_units(x, w, units)
-    for variant in ({"odd_first": False}, {"daz": False}, {"ftz": False}):
-        assert not bits_equal(oracle_by_units(x, w, units, **variant), want), variant
+    want = oracle_by_units(x, w, units, instruction=instruction)
+    others = [{"instruction": "TDPBF16PS" if instruction == "VDPBF16PS" else "VDPBF16PS"},
+              {"order": "even-first"}, {"daz": False}, {"ftz": False}]
+    for variant in others:
+        got = oracle_by_units(x, w, units, **{"instruction": instruction, **variant})
+        assert not bits_equal(got, want), variant
 
 
 def dpbf16_library():
@@ -143,8 +163,8 @@ def test_vdpbf16ps_kernel_equals_the_emulation(m, n, k, units, edge):
             for emulate in (0, 1):
                 out = torch.empty((m, n) if sum_units else (units, m, n), dtype=torch.float32)
                 assert lib.tpguide_linear_units_pairs(xb.data_ptr(), m, units * kp, packed.panels.data_ptr(), kp,
-                                                      units, n, out.data_ptr(), 0, sum_units, 1, emulate,
-                                                      threads) == 0
+                                                      units, n, out.data_ptr(), 0, sum_units,
+                                                      PAIR_INSTRUCTIONS["VDPBF16PS"], emulate, threads) == 0
                 outs.append(out)
             assert bits_equal(*outs), (sum_units, threads)
 
@@ -157,7 +177,7 @@ def test_tdpbf16ps_kernel_equals_the_emulation():
             x, w = bf16_bits((m, k), 5 + m, edge), bf16_bits((n, k), 6 + n, edge, huge=True)
             packed = pack_weight(w, units)
             assert packed.amx
-            assert bits_equal(linear_fixed_order(x, packed), linear_pairs_emulated(x, packed, odd_first=False)), \
+            assert bits_equal(linear_fixed_order(x, packed), linear_pairs_emulated(x, packed, "TDPBF16PS")), \
                 (m, n, k, units, edge)
 
 
@@ -171,5 +191,9 @@ def test_a_layout_this_process_cannot_run_is_refused():
             linear_fixed_order(x, pack_weight(w, isa="avx512_bf16"))
     with pytest.raises(ValueError, match="not in k pairs"):
         linear_pairs_emulated(x, pack_weight(w, isa="avx2"))
+    with pytest.raises(ValueError, match="32-wide k tiles"):
+        linear_pairs_emulated(x, pack_weight(w, isa="avx512_bf16"), "TDPBF16PS")
+    with pytest.raises(ValueError, match="instruction must be one of"):
+        linear_pairs_emulated(x, pack_weight(w, isa="amx"), "VFMADD231PS")
     with pytest.raises(ValueError, match="isa='zen4'"):
         pack_weight(w, isa="zen4")

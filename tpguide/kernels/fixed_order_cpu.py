@@ -380,35 +380,53 @@ def _pair_rows(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return xb.reshape(m, u * kp).contiguous()
 
 
-def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, odd_first: bool = True,
-                          sum_units: bool = True) -> torch.Tensor:
-    """:func:`linear_fixed_order` of a pair-packed bf16 weight on the plain-C emulation of the instruction.
+#: Instruction codes of ``tpguide_linear_units_pairs``.
+PAIR_INSTRUCTIONS = {"VDPBF16PS": 1, "TDPBF16PS": 2}
 
-    Every output element is the chain of pair steps of the Intel SDM's
-    pseudo-code, each ``+=`` one fp32 FMA rounded to nearest even with
-    denormal inputs read as zero and denormal results flushed to a zero of
-    their sign: ``VDPBF16PS`` (``odd_first``: element ``2p + 1`` first) or
-    ``TDPBF16PS`` (element ``2p`` first), pairs ascending from 0
-    (docs/exactness.md "CPU classes").  Runs on every CPU; where the CPU has
-    the instruction, the kernel in use gives these bits.
+
+def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, instruction: str = "VDPBF16PS",
+                          sum_units: bool = True) -> torch.Tensor:
+    """:func:`linear_fixed_order` of a pair-packed bf16 weight on a plain-C emulation of ``instruction``.
+
+    Every output element follows the Intel SDM's pseudo-code, each ``+`` one
+    fp32 operation rounded to nearest even (an FMA rounds once), bf16
+    denormal inputs read as zero, denormal results flushed to a zero of their
+    sign, from 0 (docs/exactness.md "CPU classes"):
+
+    * ``"VDPBF16PS"``: per k pair ``p`` ascending, ``acc = fma(x[2p+1], w[2p+1], acc)``
+      then ``acc = fma(x[2p], w[2p], acc)``;
+    * ``"TDPBF16PS"``: per 32-wide k tile ascending, two chains from 0 over its 16
+      pairs (``e = fma(x[2p], w[2p], e)``, ``o = fma(x[2p+1], w[2p+1], o)``), then
+      ``acc = acc + (e + o)``.
+
+    Runs on every CPU; where the CPU has the instruction, the kernel in use
+    gives these bits (``tests/test_kernels_bf16_pairs.py``).
 
     Parameters
     ----------
     x : torch.Tensor
         ``[M, U * K_unit]`` on CPU (cast to bf16).
     packed : PackedWeight
-        Packed in pairs (``packed.pairs`` or ``packed.amx``).
-    odd_first : bool
+        Packed in pairs (``pack_weight(w, U, isa="avx512_bf16")`` or ``isa="amx"``;
+        ``"TDPBF16PS"`` needs the AMX padding to 32).
+    instruction : str
+        A key of :data:`PAIR_INSTRUCTIONS`.
     sum_units : bool
         As :func:`linear_fixed_order`: fp32 ``[M, N]`` or ``[U, M, N]``.
 
     Raises
     ------
     ValueError
-        ``packed`` is not in a pair layout, or ``x``'s width does not match.
+        ``packed`` is not in a pair layout (or not padded to 32 for
+        ``"TDPBF16PS"``), an unknown ``instruction``, or ``x``'s width does not match.
     """
+    code = PAIR_INSTRUCTIONS.get(instruction)
+    if code is None:
+        raise ValueError(f"instruction must be one of {sorted(PAIR_INSTRUCTIONS)}, got {instruction!r}")
     if packed.panels.dim() != 5:
         raise ValueError(f"the weight is packed for the {packed.isa} fmaf chain, not in k pairs")
+    if instruction == "TDPBF16PS" and packed.padded_unit_size % 32:
+        raise ValueError(f"TDPBF16PS takes 32-wide k tiles; the units are padded to {packed.padded_unit_size}")
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
@@ -418,7 +436,7 @@ def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, odd_first: bool
         xb = _pair_rows(x, packed)
         status = (_LIB or _load()).tpguide_linear_units_pairs(
             xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n, out.data_ptr(), 0, int(sum_units),
-            int(odd_first), 1, _threads())
+            code, 1, _threads())
         assert status == 0, f"tpguide_linear_units_pairs returned {status}"
     return out
 

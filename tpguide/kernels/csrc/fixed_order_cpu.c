@@ -988,49 +988,58 @@ int tpguide_rotary(const void *q, int64_t q_st, int64_t q_sh, const void *k, int
     return 0;
 }
 
-/* ---- bf16 pair kernels: VDPBF16PS (AVX512_BF16) and a plain-C emulation of the manuals' pseudo-code ----
+/* ---- bf16 pair kernels: VDPBF16PS (AVX512_BF16) and a plain-C emulation of the SDM's pseudo-code ----
  * Weights in k pairs, the AMX layout: w[U][P][K_pad / 2][NB][2] bf16 (zero past N and past K_unit),
  * K_pad = K_unit rounded up to 2 (to 32 for AMX); x bf16 [M, ldx], unit u at columns
- * [u*K_pad, (u+1)*K_pad), zero-padded by the caller.  Each output element is a chain of pair steps
- * from acc = 0, pairs p ascending; one step, as the Intel SDM writes VDPBF16PS (each "+=" an fp32
- * FMA rounded to nearest even, input denormals treated as zero, output denormals flushed):
- *   acc = fma(x[2p+1], w[2p+1], acc); acc = fma(x[2p], w[2p], acc)          (odd_first = 1)
- * TDPBF16PS's pseudo-code (Intel intrinsics guide) takes the even element first (odd_first = 0).
- * The order is not the fmaf chain of tpguide_linear_units, so this class's bf16 bits are its own;
- * every element's sequence is fixed, whatever the rows beside it, the columns per call and threads. */
+ * [u*K_pad, (u+1)*K_pad), zero-padded by the caller.  Every "+" below is an fp32 operation rounded to
+ * nearest even, with bf16 denormal inputs read as zero and denormal results flushed to a zero of
+ * their sign (the Intel SDM: "DAZ=FTZ=1, RNE"); an FMA rounds once.  From acc = 0:
+ *   VDPBF16PS (instruction 1), pairs p ascending:
+ *     acc = fma(x[2p+1], w[2p+1], acc); acc = fma(x[2p], w[2p], acc)
+ *   TDPBF16PS (instruction 2), 32-wide k tiles ascending; in a tile two chains from zero over its
+ *   16 pairs ascending, e = fma(x[2p], w[2p], e), o = fma(x[2p+1], w[2p+1], o); then
+ *     acc = acc + (e + o)
+ * Not the fmaf chain of tpguide_linear_units, so these classes' bf16 bits are their own; every
+ * element's sequence is fixed, whatever the rows beside it, the columns per call and threads. */
 
-/* bf16 -> fp32 with denormals as (signed) zero: the instructions' "DAZ in". */
+/* bf16 -> fp32 with denormals as (signed) zero: the instructions' "DAZ". */
 static inline float bf16_daz(uint16_t h) { return bf16_to_f32((h & 0x7F80u) ? h : (uint16_t)(h & 0x8000u)); }
 
-/* An fp32 result below the smallest normal becomes a zero of its sign: "FTZ out". */
+/* An fp32 result below the smallest normal becomes a zero of its sign: "FTZ". */
 static inline float flush_tiny(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
 
-/* One pair step of the manuals' pseudo-code, in plain C (fmaf: one rounding, nearest even). */
-static inline float pair_step(float acc, float x0, float x1, float w0, float w1, int odd_first) {
-    if (odd_first) {
-        acc = flush_tiny(fmaf(x1, w1, acc));
-        return flush_tiny(fmaf(x0, w0, acc));
-    }
-    acc = flush_tiny(fmaf(x0, w0, acc));
-    return flush_tiny(fmaf(x1, w1, acc));
-}
+#define PAIR_VDPBF16PS 1
+#define PAIR_TDPBF16PS 2
+#define AMX_K_TILE 32 /* bf16 k values per TDPBF16PS */
 
-/* Emulated tile: rows [0, mr) x NB columns of one packed panel, acc from zero. */
+/* Emulated tile: rows [0, mr) x NB columns of one packed panel, acc from zero, in plain C. */
 static void pair_tile_emulated(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K_pad,
-                               int odd_first, float acc_out[MR][NB]) {
-    float acc[MR][NB];
+                               int instruction, float acc_out[MR][NB]) {
+    float acc[MR][NB], even[MR][NB], odd[MR][NB];
     memset(acc, 0, sizeof(acc));
-    for (int64_t p = 0; p < K_pad / 2; p++) {
-        const uint16_t *wp = w + p * NB * 2;
-        float w0[NB], w1[NB];
-        for (int j = 0; j < NB; j++) {
-            w0[j] = bf16_daz(wp[2 * j]);
-            w1[j] = bf16_daz(wp[2 * j + 1]);
+    const int64_t pairs_per_step = instruction == PAIR_TDPBF16PS ? AMX_K_TILE / 2 : 1;
+    for (int64_t p0 = 0; p0 < K_pad / 2; p0 += pairs_per_step) {
+        memset(even, 0, sizeof(even));
+        memset(odd, 0, sizeof(odd));
+        for (int64_t p = p0; p < p0 + pairs_per_step; p++) {
+            const uint16_t *wp = w + p * NB * 2;
+            for (int r = 0; r < mr; r++) {
+                const float x0 = bf16_daz(x[r * ldx + 2 * p]), x1 = bf16_daz(x[r * ldx + 2 * p + 1]);
+                for (int j = 0; j < NB; j++) {
+                    const float w0 = bf16_daz(wp[2 * j]), w1 = bf16_daz(wp[2 * j + 1]);
+                    if (instruction == PAIR_VDPBF16PS) {
+                        acc[r][j] = flush_tiny(fmaf(x1, w1, acc[r][j]));
+                        acc[r][j] = flush_tiny(fmaf(x0, w0, acc[r][j]));
+                    } else {
+                        even[r][j] = flush_tiny(fmaf(x0, w0, even[r][j]));
+                        odd[r][j] = flush_tiny(fmaf(x1, w1, odd[r][j]));
+                    }
+                }
+            }
         }
-        for (int r = 0; r < mr; r++) {
-            const float x0 = bf16_daz(x[r * ldx + 2 * p]), x1 = bf16_daz(x[r * ldx + 2 * p + 1]);
-            for (int j = 0; j < NB; j++) acc[r][j] = pair_step(acc[r][j], x0, x1, w0[j], w1[j], odd_first);
-        }
+        if (instruction == PAIR_TDPBF16PS)
+            for (int r = 0; r < mr; r++)
+                for (int j = 0; j < NB; j++) acc[r][j] = flush_tiny(acc[r][j] + flush_tiny(even[r][j] + odd[r][j]));
     }
     memcpy(acc_out, acc, sizeof(acc));
 }
@@ -1085,14 +1094,18 @@ int tpguide_has_dpbf16(void) {
 }
 
 /* The bf16 pair linear (layout above); out / sum_units / out_dtype as tpguide_linear_units.
- * emulate != 0: the plain-C tile (any CPU), in the odd_first order; emulate == 0: the VDPBF16PS
- * tile (odd_first must be 1).  Returns 0, or -1 for an odd K_pad, a bad out_dtype, or emulate == 0
- * in a build without the instruction or with odd_first == 0. */
+ * emulate != 0: the plain-C tile (any CPU) of `instruction` (1: VDPBF16PS, 2: TDPBF16PS);
+ * emulate == 0: the VDPBF16PS tile (instruction must be 1).  Returns 0, or -1 for an odd K_pad
+ * (not a multiple of 32 for TDPBF16PS), a bad out_dtype or instruction, or emulate == 0 in a build
+ * without VDPBF16PS or with instruction 2. */
 int tpguide_linear_units_pairs(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
                                int64_t U, int64_t N, void *out, int64_t out_dtype, int64_t sum_units,
-                               int64_t odd_first, int64_t emulate, int64_t num_threads) {
+                               int64_t instruction, int64_t emulate, int64_t num_threads) {
     if (K_pad % 2 || (out_dtype != 0 && (out_dtype != 2 || !sum_units))) return -1;
-    if (!emulate && (!tpguide_has_dpbf16() || !odd_first)) return -1;
+    if ((instruction != PAIR_VDPBF16PS && instruction != PAIR_TDPBF16PS) ||
+        (instruction == PAIR_TDPBF16PS && K_pad % AMX_K_TILE))
+        return -1;
+    if (!emulate && (!tpguide_has_dpbf16() || instruction != PAIR_VDPBF16PS)) return -1;
     const int64_t P = (N + NB - 1) / NB;
     const int64_t R = (M + MR - 1) / MR;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
@@ -1112,7 +1125,7 @@ int tpguide_linear_units_pairs(const uint16_t *x, int64_t M, int64_t ldx, const 
                     pair_tile_dpbf16(mr, xu, ldx, wu, K_pad, acc);
                 else
 #endif
-                    pair_tile_emulated(mr, xu, ldx, wu, K_pad, (int)odd_first, acc);
+                    pair_tile_emulated(mr, xu, ldx, wu, K_pad, (int)instruction, acc);
                 unit_done(acc, total, u, sum_units, sum_units ? (float *)out : (float *)out + u * M * N, N, m0, n0,
                           mr, nb);
             }
