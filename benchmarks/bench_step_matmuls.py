@@ -11,11 +11,16 @@ count of ``--rows`` (decode batches, verify passes, prefill chunks), in
 * **F.linear**: torch's library GEMM on the plain weight (the ``--no-tp-invariant`` mode);
 * **oneDNN prepacked**: ``torch.ops.mkldnn._linear_pointwise`` on a weight
   reordered once for the row count (``_reorder_linear_weight``), as vLLM's CPU
-  build does; skipped where this torch build lacks the op.
+  build does; skipped where this torch build lacks the op;
+* **fmaf tile** (bf16 on a class with its own pair order, ``VDPBF16PS`` or
+  ``TDPBF16PS``): the same kernel library's fmaf-chain tile on weights packed
+  for ``avx512`` (the bf16 path before the pair kernels: the before / after
+  of the pair kernel in one run).
 
 Each timing is the fastest of ``--repeats`` interleaved runs (a shared
 machine slows all three alike); the ratios are the result.  Prints the CPU
-model and the kernel's instruction set.
+model and the instruction the fixed-order kernel runs on, with its class
+(``VDPBF16PS (avx512_bf16)``, ``TDPBF16PS (amx)``, ``VFMADD231PS zmm (avx512)``, ...).
 
 Usage::
 
@@ -33,7 +38,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from tpguide.kernels.fixed_order_cpu import kernel_isa, linear_fixed_order, pack_weight
+from tpguide.kernels.fixed_order_cpu import (
+    OWN_BF16_ORDER_ISAS,
+    kernel_isa,
+    linear_fixed_order,
+    matmul_instruction,
+    pack_weight,
+)
 from tpguide.model.config import ModelConfig
 from tpguide.model.default_model import default_model_dir
 from tpguide.model.invariant_reduce import reduction_block_size
@@ -95,13 +106,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     config = ModelConfig.from_pretrained(args.model or default_model_dir())
-    print(f"CPU {cpu_model()}; kernel ISA {kernel_isa()}; torch {torch.__version__}; {args.dtype}, "
-          f"{args.threads} thread(s)")
+    print(f"CPU {cpu_model()}; fixed-order kernel: {matmul_instruction(dtype)}; torch {torch.__version__}; "
+          f"{args.dtype}, {args.threads} thread(s)")
+    fmaf = dtype == torch.bfloat16 and kernel_isa() in OWN_BF16_ORDER_ISAS
     print(f"{'rows':>5} | {'matmul':12} | {'fixed ms':>9} | {'F.linear ms':>11} | {'oneDNN ms':>9} | "
-          f"{'fixed/F.linear':>14} | {'fixed/oneDNN':>12}")
+          f"{'fixed/F.linear':>14} | {'fixed/oneDNN':>12}" + (f" | {'fmaf ms':>8} | {'fmaf/oneDNN':>11}" if fmaf else ""))
     gen = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
-        totals = {"fixed": 0.0, "F.linear": 0.0, "oneDNN": 0.0}
+        totals = {"fixed": 0.0, "F.linear": 0.0, "oneDNN": 0.0, "fmaf": 0.0}
         for name, n, k, units in layer_shapes(config):
             if name == "lm_head" and rows > 64:  # a prefill chunk samples from its last row only
                 continue
@@ -110,6 +122,9 @@ def main(argv=None) -> None:
             packed = pack_weight(w, units)
             fns: Dict[str, Callable[[], object]] = {"fixed": lambda: linear_fixed_order(x, packed),
                                                     "F.linear": lambda: F.linear(x, w)}
+            if fmaf:
+                chain = pack_weight(w, units, isa="avx512")
+                fns["fmaf"] = lambda: linear_fixed_order(x, chain)
             prepacked = onednn_prepacked(w, rows)
             if prepacked is not None:
                 fns["oneDNN"] = lambda: prepacked(x)
@@ -119,10 +134,12 @@ def main(argv=None) -> None:
                     totals[key] += ms.get(key, float("nan"))
             one = ms.get("oneDNN", float("nan"))
             print(f"{rows:5d} | {name:12} | {ms['fixed']:9.3f} | {ms['F.linear']:11.3f} | {one:9.3f} | "
-                  f"{ms['fixed'] / ms['F.linear']:14.2f} | {ms['fixed'] / one:12.2f}")
+                  f"{ms['fixed'] / ms['F.linear']:14.2f} | {ms['fixed'] / one:12.2f}"
+                  + (f" | {ms['fmaf']:8.3f} | {ms['fmaf'] / one:11.2f}" if fmaf else ""))
         print(f"{rows:5d} | {'layer total':12} | {totals['fixed']:9.3f} | {totals['F.linear']:11.3f} | "
               f"{totals['oneDNN']:9.3f} | {totals['fixed'] / totals['F.linear']:14.2f} | "
-              f"{totals['fixed'] / totals['oneDNN']:12.2f}")
+              f"{totals['fixed'] / totals['oneDNN']:12.2f}"
+              + (f" | {totals['fmaf']:8.3f} | {totals['fmaf'] / totals['oneDNN']:11.2f}" if fmaf else ""))
     print("(ratio < 1: the fixed-order kernel is faster; layer total = the four decoder matmuls, LM head apart)")
 
 

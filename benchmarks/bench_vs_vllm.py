@@ -280,8 +280,10 @@ def report(args, model_dir: str, dtype: torch.dtype, names: List[str], phases: L
            runs: Dict[str, List[dict]], prefix_runs: Dict[str, List[dict]]) -> None:
     """Print the tables (medians over the alternations, minimum in parentheses)."""
     from benchmarks.bench_step_matmuls import cpu_model
+    from tpguide.kernels.fixed_order_cpu import matmul_instruction
 
-    print(f"\nCPU {cpu_model()}; model {model_dir}; dtype {dtype}; {args.threads} threads per side; "
+    print(f"\nCPU {cpu_model()}; tpguide's fixed-order matmuls: {matmul_instruction(dtype)} (the same class and "
+          f"environment as its engine process); model {model_dir}; dtype {dtype}; {args.threads} threads per side; "
           f"{args.alternations} alternations; greedy; tp 1; median (min)")
     head = f"{'phase':>22} | {'tpguide tok/s':>17} | {'vLLM tok/s':>17} | {'ratio':>14} | invalid stop t/v"
     print(head + "\n" + "-" * len(head))

@@ -186,6 +186,10 @@ def test_choose_isa_caps_by_the_forced_value():
     assert choose_isa(flags, None) == "avx512"
     assert choose_isa(flags | {"amx_tile", "amx_bf16"}, None) == "amx"
     assert choose_isa(flags | {"amx_tile", "amx_bf16"}, "avx512") == "avx512"
+    assert choose_isa(flags | {"avx512_bf16"}, None) == "avx512_bf16"
+    assert choose_isa(flags | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512_bf16") == "avx512_bf16"
+    assert choose_isa(flags | {"avx512_bf16"}, "avx512") == "avx512"  # the fmaf-chain bf16 tile
+    assert choose_isa({"avx2", "fma", "avx512_bf16"}, None) == "avx2"  # no AVX-512 F/BW/VL: no pair tile
     assert choose_isa(flags, "AVX2") == "avx2"
     assert choose_isa({"avx2", "fma"}, "avx512") == "avx2"
     assert choose_isa(set(), None) == "default"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpguide.kernels import fixed_order_cpu
 from tpguide.kernels.fixed_order_cpu import (
     attention_fixed_order,
     linear_fixed_order,
@@ -23,6 +24,22 @@ from tpguide.model.rotary import rotate_half
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 3, 8, 33]
+
+
+@pytest.fixture(autouse=True)
+def every_thread(monkeypatch):
+    """Small tensors take the threaded path too (``threads_for`` gives them one thread otherwise)."""
+    monkeypatch.setattr(fixed_order_cpu, "ELEMENTS_PER_THREAD", 1)
+
+
+def test_threads_for_caps_small_work_at_one_thread(monkeypatch):
+    monkeypatch.setattr(fixed_order_cpu, "ELEMENTS_PER_THREAD", 16384)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert [fixed_order_cpu.threads_for(n) for n in (0, 8 * 576, 32767, 32768, 10 ** 6)] == [1, 1, 1, 2, 2]
+    finally:
+        torch.set_num_threads(before)
 HIDDEN = [576, 101]  # SmolLM2-135M's hidden size, and a width that is no multiple of 16
 
 

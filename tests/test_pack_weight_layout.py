@@ -7,15 +7,18 @@ from tpguide.kernels import fixed_order_cpu
 from tpguide.kernels.fixed_order_cpu import PANEL, pack_weight
 
 
-def oracle_panels(weight, num_units, amx):
-    """The packing as first written: zeros, the weight copied in, then a permuted contiguous copy."""
+def oracle_panels(weight, num_units, pair_width):
+    """The packing as first written: zeros, the weight copied in, then a permuted contiguous copy.
+
+    ``pair_width``: 0 for the k-major panels, else the k pair layout with units padded to a multiple of it.
+    """
     n, k = weight.shape
     unit = k // num_units
-    padded_unit = -(-unit // 32) * 32 if amx else unit
+    padded_unit = -(-unit // pair_width) * pair_width if pair_width else unit
     num_panels = -(-n // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, num_units, padded_unit)
     padded[:n, :, :unit] = weight.reshape(n, num_units, unit)
-    if amx:
+    if pair_width:
         return padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
     return padded.view(num_panels, PANEL, num_units, unit).permute(2, 0, 3, 1).contiguous()
 
@@ -45,17 +48,20 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
 
 
-@pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["fp32", "bf16", "bf16-amx-pairs"])
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "avx2"), (torch.bfloat16, "avx2"), (torch.bfloat16, "amx"),
+                                       (torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512_bf16")],
+                         ids=["fp32", "bf16", "bf16-amx-pairs", "bf16-vdpbf16ps-pairs", "fp32-on-avx512_bf16"])
 @pytest.mark.parametrize("column_major", [False, True], ids=["row-major", "column-major"])
 @pytest.mark.parametrize("n,k,units", [(96, 64, 1), (70, 48, 3), (31, 40, 1), (576, 576, 9), (33, 90, 2)])
-def test_pack_weight_bits_equal_the_oracle(dtype, column_major, n, k, units, amx, monkeypatch, nan_filled_empty):
-    monkeypatch.setattr(fixed_order_cpu, "kernel_isa", lambda: "amx" if amx else "avx2")  # layout only, no kernel
+def test_pack_weight_bits_equal_the_oracle(dtype, column_major, n, k, units, isa, monkeypatch, nan_filled_empty):
+    monkeypatch.setattr(fixed_order_cpu, "kernel_isa", lambda: isa)  # layout only, no kernel
     w = _weight(n, k, dtype, column_major, seed=n * k + units)
     packed = pack_weight(w, units)
-    want = oracle_panels(w, units, amx)
+    pair_width = {"amx": 32, "avx512_bf16": 2}.get(isa, 0) if dtype == torch.bfloat16 else 0
+    want = oracle_panels(w, units, pair_width)
     assert packed.panels.dtype == dtype and packed.panels.shape == want.shape and packed.panels.is_contiguous()
-    assert packed.amx == amx and packed.out_features == n and packed.num_units == units
+    assert packed.amx == (pair_width == 32) and packed.pairs == (pair_width == 2)
+    assert packed.out_features == n and packed.num_units == units
     assert torch.equal(_bits(packed.panels), _bits(want))  # bit for bit: -0.0 and NaN payloads included
 
 

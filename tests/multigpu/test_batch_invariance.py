@@ -32,7 +32,7 @@ import torch
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.kernels.fixed_order_cpu import choose_isa, cpu_flags
+from tpguide.kernels.fixed_order_cpu import OWN_BF16_ORDER_ISAS, choose_isa, cpu_flags
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
 from tpguide.model.random_checkpoint import write_random_checkpoint
@@ -175,8 +175,9 @@ MKL_ISA = {"avx512": "AVX512", "avx2": "AVX2", "default": "SSE4_2"}
 def test_forced_narrower_isa_gives_the_same_bits(references, model_dirs, tmp_path, isa):
     """``ATEN_CPU_CAPABILITY`` (also read by the fixed-order kernels) forces a narrower ISA: same logits.
 
-    The same bits in fp32 always, and in bf16 unless one side multiplies on AMX tiles (their own fixed
-    order, not the fmaf chain): then each side is still invariant, checked within the job.
+    The same bits in fp32 always, and in bf16 unless one side multiplies in the instruction's own pair
+    order (AMX tiles, VDPBF16PS; not the fmaf chain): then each side is still invariant, checked within
+    the job.
     """
     out = tmp_path / "alone.npz"
     code = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); "
@@ -192,9 +193,9 @@ def test_forced_narrower_isa_gives_the_same_bits(references, model_dirs, tmp_pat
     got = np.load(out)
     assert got["bad"].size == 0, f"ISA {isa}: cases differ from the row alone: {got['bad']}"
     ref = references("tiny")
-    amx_bf16 = choose_isa(cpu_flags(), None) == "amx"
+    own_bf16_order = choose_isa(cpu_flags(), None) in OWN_BF16_ORDER_ISAS  # AMX, VDPBF16PS: their own bf16 bits
     for key, (alone, _) in ((k, v) for k, v in ref.items() if k != "range" and k[1] == 1):
-        if key[0] == "bfloat16" and amx_bf16:
+        if key[0] == "bfloat16" and own_bf16_order:
             continue
         for case, want in alone.items():
             assert np.array_equal(got[f"{key[0]}|{key[1]}|{case}"], want), f"ISA {isa} {key} {case} differs"

@@ -12,7 +12,10 @@ threads.  The kernels of ``csrc/fixed_order_cpu.c`` fix the order in the code:
   once into panels of :data:`PANEL` columns (:func:`pack_weight`).  bf16 on a
   CPU with AMX: one ``TDPBF16PS`` per 32-wide k tile, k tiles ascending, the
   hardware's fixed order inside a tile (a tile's rows are independent), on
-  weights packed in pairs (VNNI).
+  weights packed in pairs (VNNI).  bf16 on a CPU with AVX512_BF16 (no AMX):
+  one ``VDPBF16PS`` per k pair, pairs ascending, on the same pair layout
+  (:func:`linear_pairs_emulated` is the plain-C emulation of its documented
+  semantics, docs/exactness.md "CPU classes").
 * **attention** (over a paged or dense KV cache): per query token and head,
   each score an fma chain over the head dim (one key per vector lane),
   softmax with a pure-arithmetic ``exp`` (the same bits vectorised or not)
@@ -29,12 +32,16 @@ Each element is computed by one thread, so the thread count does not matter;
 ``fmaf`` is exactly rounded, so the vector code (AVX-512 or AVX2 + FMA
 intrinsics, which repeat the plain C's IEEE operations, or the compiler's
 vectorisation of the portable loops) gives the bits of the scalar code: the same results on every x86-64 CPU class, except bf16 matmuls
-on AMX, whose tile order is the hardware's (fixed, but not the fmaf chain).
+on AMX and AVX512_BF16, whose pair order is the instruction's (fixed, but not
+the fmaf chain): :data:`OWN_BF16_ORDER_ISAS`.
 
-Instruction set: AMX (with AVX-512) where the CPU has AMX-BF16 and the kernel
-grants the tile state, else AVX-512 (F, BW), else AVX2 + FMA, else portable
-C; ``ATEN_CPU_CAPABILITY=avx512``, ``avx2`` or ``default`` forces a narrower
-one (the same variable torch reads), :func:`kernel_isa` names the one in use.  The
+Instruction set (the CPU class): AMX (with AVX-512) where the CPU has AMX-BF16
+and the kernel grants the tile state, else AVX-512 with AVX512_BF16
+(``avx512_bf16``), else AVX-512 (F, BW), else AVX2 + FMA, else portable C;
+``ATEN_CPU_CAPABILITY=avx512``, ``avx2`` or ``default`` forces a narrower one
+(the same variable torch reads; ``avx512`` gives the fmaf-chain bf16 tile on
+an AVX512_BF16 CPU), :func:`kernel_isa` names the one in use and
+:func:`matmul_instruction` the instruction a matmul of a dtype runs on.  The
 library is compiled on first use (:mod:`tpguide.kernels.c_library`) with
 OpenMP; the ``libgomp`` torch has loaded serves both, so no second thread pool
 spins beside torch's.
@@ -62,10 +69,16 @@ MAX_ROWS = 64
 BASE_CFLAGS = ("-O3", "-std=gnu99", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-strict-aliasing")
 ISA_CFLAGS = {
     "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mamx-tile", "-mamx-bf16", "-mprefer-vector-width=512"),
+    "avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512bf16", "-mprefer-vector-width=512"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512"),
     "avx2": ("-mavx2", "-mfma"),
     "default": (),
 }
+#: The classes, narrowest first (``choose_isa``'s order).
+ISA_ORDER = ("default", "avx2", "avx512", "avx512_bf16", "amx")
+#: Classes whose bf16 matmuls run the instruction's own pair order, not the fmaf chain: their bf16
+#: bits differ from the other classes' (docs/exactness.md "CPU classes").
+OWN_BF16_ORDER_ISAS = ("avx512_bf16", "amx")
 #: Weight / activation dtype codes of the C kernels.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 
@@ -88,17 +101,20 @@ def cpu_flags() -> set[str]:
 
 
 def choose_isa(flags: set[str], forced: Optional[str]) -> str:
-    """``"amx"``, ``"avx512"``, ``"avx2"`` or ``"default"``: the widest the CPU has, capped by ``forced``.
+    """A name of :data:`ISA_ORDER`: the widest class the CPU has, capped by ``forced``.
 
-    ``forced`` is ``ATEN_CPU_CAPABILITY``'s value (one of those names; None
-    or empty = unset); an unknown value raises ``ValueError`` naming it.
+    ``flags`` are ``/proc/cpuinfo``'s (:func:`cpu_flags`); ``forced`` is
+    ``ATEN_CPU_CAPABILITY``'s value (one of those names; None or empty =
+    unset); an unknown value raises ``ValueError`` naming it.
     """
-    order = ["default", "avx2", "avx512", "amx"]
+    order = list(ISA_ORDER)
     have = "default"
     if {"avx2", "fma"} <= flags:
         have = "avx2"
     if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
         have = "avx512"
+        if "avx512_bf16" in flags:
+            have = "avx512_bf16"
         if {"amx_tile", "amx_bf16"} <= flags:
             have = "amx"
     if forced is None or not forced.strip():  # unset or empty: torch ignores it too
@@ -114,10 +130,11 @@ def _load() -> ctypes.CDLL:
     if _LIB is None:
         with _LOCK:
             if _LIB is None:
-                isa = choose_isa(cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
+                flags = cpu_flags()
+                isa = choose_isa(flags, os.environ.get("ATEN_CPU_CAPABILITY"))
                 lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
                 if isa == "amx" and lib.tpguide_amx_init() != 0:  # the OS refused the tile state
-                    isa = "avx512"
+                    isa = "avx512_bf16" if "avx512_bf16" in flags else "avx512"
                     lib = load_library(SOURCE, BASE_CFLAGS + ISA_CFLAGS[isa])
                 if isa == "amx":
                     lib.tpguide_linear_units_amx.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64,
@@ -126,6 +143,10 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_linear_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64,
                                                      _i64)
                 lib.tpguide_linear_units.restype = ctypes.c_int
+                lib.tpguide_linear_units_pairs.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64,
+                                                           _i64, _i64, _i64)
+                lib.tpguide_linear_units_pairs.restype = ctypes.c_int
+                lib.tpguide_has_dpbf16.restype = ctypes.c_int
                 lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
                 lib.tpguide_sum_units.restype = None
                 lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
@@ -159,8 +180,35 @@ def kernel_isa() -> str:
     return _ISA
 
 
+def matmul_instruction(dtype: torch.dtype) -> str:
+    """The instruction a fixed-order matmul of ``dtype`` weights runs on in this process, with its class.
+
+    E.g. ``"VDPBF16PS (avx512_bf16)"`` for bf16 on an AVX512_BF16 CPU, ``"VFMADD231PS zmm (avx512_bf16)"``
+    for fp32 there, ``"fmaf (default)"`` for the portable build (compiles the kernels on first call).
+    """
+    isa = kernel_isa()
+    if dtype == torch.bfloat16 and isa in OWN_BF16_ORDER_ISAS:
+        return f"{'TDPBF16PS' if isa == 'amx' else 'VDPBF16PS'} ({isa})"
+    return f"{'fmaf' if isa == 'default' else 'VFMADD231PS ' + ('ymm' if isa == 'avx2' else 'zmm')} ({isa})"
+
+
 def _threads() -> int:
     return torch.get_num_threads()
+
+
+#: Elements an element-wise kernel gives each thread at least: below it a parallel region costs
+#: more than it saves (waking a sleeping thread on a shared machine takes tens of microseconds).
+ELEMENTS_PER_THREAD = 16384
+
+
+def threads_for(elements: int) -> int:
+    """Threads for an element-wise kernel over ``elements`` values: ``torch.get_num_threads()``, capped so
+    that each thread gets at least :data:`ELEMENTS_PER_THREAD` (1 for a decode step's norms and rotary).
+
+    Every row (or element) is computed by one thread in the same order whatever the count, so the
+    count changes no bit (docs/exactness.md).
+    """
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD))
 
 
 def _dtype_code(t: torch.Tensor, what: str) -> int:
@@ -179,14 +227,18 @@ class PackedWeight:
     panels : torch.Tensor
         ``[U, ceil(N / PANEL), K_unit, PANEL]`` in the weight's dtype (fp32 or
         bf16), zero past column ``N``: ``panels[u, p, k, j] = w[p*PANEL + j, u*K_unit + k]``;
-        bf16 on AMX ``[U, ceil(N / PANEL), K_pad / 2, PANEL, 2]`` (k pairs adjacent,
-        ``K_pad`` = ``K_unit`` rounded up to 32, zero past ``K_unit``).
+        bf16 on AMX and AVX512_BF16 ``[U, ceil(N / PANEL), K_pad / 2, PANEL, 2]`` (k pairs
+        adjacent, ``K_pad`` = ``K_unit`` rounded up to 32 on AMX, to 2 on AVX512_BF16,
+        zero past ``K_unit``).
     out_features, unit_size, num_units : int
         ``N``, ``K_unit``, ``U``.
     padded_unit_size : int
-        ``K_pad`` on AMX, else ``K_unit``.
+        ``K_pad`` in the pair layouts, else ``K_unit``.
     source_version : tuple
         ``(data_ptr, _version)`` of the weight it was packed from (to notice an in-place update).
+    isa : str
+        The class it was packed for (:func:`kernel_isa`; only ``"amx"`` and
+        ``"avx512_bf16"`` change the layout, and only for bf16).
     """
 
     panels: torch.Tensor
@@ -195,21 +247,34 @@ class PackedWeight:
     num_units: int
     source_version: tuple
     padded_unit_size: int
+    isa: str = "default"
 
     @property
     def amx(self) -> bool:
         """Packed for the AMX tile kernel (bf16 on an AMX CPU)."""
-        return self.panels.dim() == 5
+        return self.panels.dim() == 5 and self.isa == "amx"
+
+    @property
+    def pairs(self) -> bool:
+        """Packed for the ``VDPBF16PS`` pair kernel (bf16 on an AVX512_BF16 CPU without AMX)."""
+        return self.panels.dim() == 5 and self.isa == "avx512_bf16"
 
 
-def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, num_units: int = 1, isa: Optional[str] = None) -> PackedWeight:
     """Pack ``weight [N, K]`` (any strides, CPU, fp32 or bf16) into panels; ``K % num_units == 0``.
+
+    ``isa``: the class to pack for, a name of :data:`ISA_ORDER` (default
+    :func:`kernel_isa`); ``"avx512"`` on an AVX512_BF16 or AMX CPU gives the
+    fmaf-chain layout (benchmarks compare the two), and any pair layout can be
+    packed anywhere for :func:`linear_pairs_emulated`.
 
     Raises
     ------
     ValueError
-        Another dtype or device, or ``K`` not divisible by ``num_units``.
+        Another dtype or device, ``K`` not divisible by ``num_units``, or an unknown ``isa``.
     """
+    if isa is not None and isa not in ISA_ORDER:
+        raise ValueError(f"isa={isa!r} is not one of {ISA_ORDER}")
     _dtype_code(weight, "weight")
     if weight.device.type != "cpu":
         raise ValueError(f"fixed-order CPU kernels need CPU tensors, got weight on {weight.device}")
@@ -217,18 +282,19 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1) -> PackedWeight:
     if num_units < 1 or k % num_units:
         raise ValueError(f"in_features={k} is not divisible by num_units={num_units}")
     unit = k // num_units
-    amx = weight.dtype == torch.bfloat16 and kernel_isa() == "amx"
-    padded_unit = -(-unit // 32) * 32 if amx else unit
+    isa = isa or kernel_isa()
+    pairs = weight.dtype == torch.bfloat16 and isa in OWN_BF16_ORDER_ISAS
+    padded_unit = -(-unit // (32 if isa == "amx" else 2)) * (32 if isa == "amx" else 2) if pairs else unit
     num_panels = -(-n // PANEL)
     rows = weight.reshape(n, num_units, unit)  # [N, U, K_unit]
-    if amx:  # [U, P, K_pad / 2, PANEL, 2]: one B tile row holds 16 columns' k pairs
+    if pairs:  # [U, P, K_pad / 2, PANEL, 2]: 16 columns' k pairs per AMX B tile row or per zmm
         padded = weight.new_empty((num_panels, PANEL, num_units, padded_unit))
         _copy_zero_padded(padded, rows)
         panels = padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
     else:  # written in place through a [P, PANEL, U, K_unit] view: one pass over the weight, no zeroing pass
         panels = weight.new_empty((num_units, num_panels, unit, PANEL))
         _copy_zero_padded(panels.permute(1, 3, 0, 2), rows)
-    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit)
+    return PackedWeight(panels, n, unit, num_units, (weight.data_ptr(), weight._version), padded_unit, isa)
 
 
 def _copy_zero_padded(dst: torch.Tensor, rows: torch.Tensor) -> None:
@@ -255,7 +321,7 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     ----------
     x : torch.Tensor
         ``[M, U * K_unit]`` fp32 or bf16 on CPU (tokens, input features); bf16 is widened exactly
-        (cast to bf16 for weights packed for AMX).
+        (cast to bf16 for weights packed in pairs: AMX, AVX512_BF16).
     packed : PackedWeight
     sum_units : bool
         True: fp32 ``[M, N]``, the units added in unit order.  False: fp32
@@ -269,12 +335,15 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     Raises
     ------
     ValueError
-        ``x``'s width does not match the weight, or ``out_dtype`` is not fp32 or
-        bf16 (bf16 with ``sum_units=False``).
+        ``x``'s width does not match the weight, ``out_dtype`` is not fp32 or
+        bf16 (bf16 with ``sum_units=False``), or the weight is packed for a
+        pair kernel this process lacks (``pack_weight``'s ``isa``).
     """
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    if packed.amx and kernel_isa() != "amx":
+        raise ValueError(f"the weight is packed for AMX tiles, this process runs the {kernel_isa()} kernels")
     out_code = DTYPE_CODES.get(out_dtype)
     if out_code is None or (out_code and not sum_units):
         raise ValueError(f"out_dtype must be float32, or bfloat16 with sum_units=True, got {out_dtype}")
@@ -282,14 +351,17 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     n, u = packed.out_features, packed.num_units
     out = torch.empty((m, n) if sum_units else (u, m, n), dtype=out_dtype)
     if m and packed.amx:
-        kp = packed.padded_unit_size
-        xb = x.to(torch.bfloat16)
-        if kp != packed.unit_size:  # zero columns up to the tile width, per unit
-            xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
-        xb = xb.reshape(m, u * kp).contiguous()
+        kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
                                               out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units_amx returned {status}"
+    elif m and packed.pairs:
+        if not lib.tpguide_has_dpbf16():
+            raise ValueError(f"the weight is packed for VDPBF16PS, this process runs the {kernel_isa()} kernels")
+        kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
+        status = lib.tpguide_linear_units_pairs(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
+                                                out.data_ptr(), out_code, int(sum_units), 1, 0, _threads())
+        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
     elif m:
         xf = x.float().contiguous()
         status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
@@ -299,11 +371,81 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     return out
 
 
+def _pair_rows(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """bf16 ``[M, U * K_pad]`` contiguous: ``x`` cast to bf16, each unit zero-padded to ``K_pad`` columns."""
+    m, kp, u = x.shape[0], packed.padded_unit_size, packed.num_units
+    xb = x.to(torch.bfloat16)
+    if kp != packed.unit_size:  # zero columns up to the pair / tile width, per unit
+        xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
+    return xb.reshape(m, u * kp).contiguous()
+
+
+#: Instruction codes of ``tpguide_linear_units_pairs``.
+PAIR_INSTRUCTIONS = {"VDPBF16PS": 1, "TDPBF16PS": 2}
+
+
+def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, instruction: str = "VDPBF16PS",
+                          sum_units: bool = True) -> torch.Tensor:
+    """:func:`linear_fixed_order` of a pair-packed bf16 weight on a plain-C emulation of ``instruction``.
+
+    Every output element follows the Intel SDM's pseudo-code, each ``+`` one
+    fp32 operation rounded to nearest even (an FMA rounds once), bf16
+    denormal inputs read as zero, denormal results flushed to a zero of their
+    sign, from 0 (docs/exactness.md "CPU classes"):
+
+    * ``"VDPBF16PS"``: per k pair ``p`` ascending, ``acc = fma(x[2p+1], w[2p+1], acc)``
+      then ``acc = fma(x[2p], w[2p], acc)``;
+    * ``"TDPBF16PS"``: per 32-wide k tile ascending, two chains from 0 over its 16
+      pairs (``e = fma(x[2p], w[2p], e)``, ``o = fma(x[2p+1], w[2p+1], o)``), then
+      ``acc = acc + (e + o)``.
+
+    Runs on every CPU; where the CPU has the instruction, the kernel in use
+    gives these bits (``tests/test_kernels_bf16_pairs.py``).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, U * K_unit]`` on CPU (cast to bf16).
+    packed : PackedWeight
+        Packed in pairs (``pack_weight(w, U, isa="avx512_bf16")`` or ``isa="amx"``;
+        ``"TDPBF16PS"`` needs the AMX padding to 32).
+    instruction : str
+        A key of :data:`PAIR_INSTRUCTIONS`.
+    sum_units : bool
+        As :func:`linear_fixed_order`: fp32 ``[M, N]`` or ``[U, M, N]``.
+
+    Raises
+    ------
+    ValueError
+        ``packed`` is not in a pair layout (or not padded to 32 for
+        ``"TDPBF16PS"``), an unknown ``instruction``, or ``x``'s width does not match.
+    """
+    code = PAIR_INSTRUCTIONS.get(instruction)
+    if code is None:
+        raise ValueError(f"instruction must be one of {sorted(PAIR_INSTRUCTIONS)}, got {instruction!r}")
+    if packed.panels.dim() != 5:
+        raise ValueError(f"the weight is packed for the {packed.isa} fmaf chain, not in k pairs")
+    if instruction == "TDPBF16PS" and packed.padded_unit_size % 32:
+        raise ValueError(f"TDPBF16PS takes 32-wide k tiles; the units are padded to {packed.padded_unit_size}")
+    m, k = x.shape
+    if k != packed.unit_size * packed.num_units:
+        raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
+    n, u, kp = packed.out_features, packed.num_units, packed.padded_unit_size
+    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
+    if m:
+        xb = _pair_rows(x, packed)
+        status = (_LIB or _load()).tpguide_linear_units_pairs(
+            xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n, out.data_ptr(), 0, int(sum_units),
+            code, 1, _threads())
+        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
+    return out
+
+
 def sum_units_fixed_order(partials: torch.Tensor) -> torch.Tensor:
     """fp32 ``[U, ...] -> [...]``: ``((p[0] + p[1]) + p[2]) + ...``, the unit order, element by element."""
     p = partials.float().contiguous()
     out = torch.empty(p.shape[1:], dtype=torch.float32)
-    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), _threads())
+    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), threads_for(p.numel()))
     return out
 
 
@@ -409,7 +551,7 @@ def mean_square_fixed_order(x: torch.Tensor) -> torch.Tensor:
     rows, d = xf.shape
     out = torch.empty(rows, 1, dtype=torch.float32)
     if rows:
-        (_LIB or _load()).tpguide_mean_square(xf.data_ptr(), rows, d, out.data_ptr(), _threads())
+        (_LIB or _load()).tpguide_mean_square(xf.data_ptr(), rows, d, out.data_ptr(), threads_for(xf.numel()))
     return out
 
 
@@ -426,5 +568,6 @@ def unary_fixed_order(x: torch.Tensor, op: str, param: float = 0.0) -> torch.Ten
     xf = x.float().contiguous()
     out = torch.empty_like(xf)
     if xf.numel():
-        (_LIB or _load()).tpguide_unary(xf.data_ptr(), xf.numel(), code, float(param), out.data_ptr(), _threads())
+        (_LIB or _load()).tpguide_unary(xf.data_ptr(), xf.numel(), code, float(param), out.data_ptr(),
+                                        threads_for(xf.numel()))
     return out

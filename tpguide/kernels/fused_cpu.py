@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, UNARY_OPS, library
+from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, UNARY_OPS, library, threads_for
 
 #: The activations :func:`act_and_mul` takes (:data:`~tpguide.kernels.fixed_order_cpu.UNARY_OPS` names).
 ACT_AND_MUL_OPS = ("silu", "gelu_tanh")
@@ -90,7 +90,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     if rows:
         status = library().tpguide_add_rms_norm(xc.data_ptr(), None if rc is None else rc.data_ptr(), w.data_ptr(),
                                                 code, rows, d, float(eps), out.data_ptr(),
-                                                None if rc is None else h.data_ptr(), torch.get_num_threads())
+                                                None if rc is None else h.data_ptr(), threads_for(rows * d))
         if status != 0:
             raise MemoryError("tpguide_add_rms_norm: no scratch row")
     return out, h
@@ -129,7 +129,7 @@ def act_and_mul(gate_up: torch.Tensor, op: str = "silu") -> torch.Tensor:
     out = torch.empty(t, i, dtype=x.dtype)
     if t and i:
         status = library().tpguide_act_and_mul(x.data_ptr(), x.stride(0), code, t, i, UNARY_OPS[op], out.data_ptr(),
-                                               torch.get_num_threads())
+                                               threads_for(t * i))
         if status != 0:
             raise MemoryError("tpguide_act_and_mul: no scratch row")
     return out
@@ -220,7 +220,7 @@ def rotary_fixed_order(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
         status = library().tpguide_rotary(
             q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], None if v is None else v.data_ptr(), vs[0], vs[1],
             code, t, h, hkv, d, r, cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
-            None if v_cache is None else v_cache.data_ptr(), row_ptr, num_rows, torch.get_num_threads())
+            None if v_cache is None else v_cache.data_ptr(), row_ptr, num_rows, threads_for(t * (h + 2 * hkv) * d))
         if status != 0:
             raise ValueError(f"cache rows must lie in [0, {num_rows}), got {rows.tolist()}")
     return q_out, k_out

@@ -17,6 +17,7 @@
  * soft-capped), m = max s_j, p_j = exp_nonpositive(s_j - m), l = sum_j p_j (in j order),
  * o[d] = (fmaf chain over j of p_j v_j[d]) / l.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -982,6 +983,153 @@ int tpguide_rotary(const void *q, int64_t q_st, int64_t q_sh, const void *k, int
             if (v) /* a bit copy, as the index_put_ it replaces */
                 memcpy((char *)v_out + (row * Hkv + h) * D * esize, (const char *)v + (t * v_st + h * v_sh) * esize,
                        (size_t)D * esize);
+        }
+    }
+    return 0;
+}
+
+/* ---- bf16 pair kernels: VDPBF16PS (AVX512_BF16) and a plain-C emulation of the SDM's pseudo-code ----
+ * Weights in k pairs, the AMX layout: w[U][P][K_pad / 2][NB][2] bf16 (zero past N and past K_unit),
+ * K_pad = K_unit rounded up to 2 (to 32 for AMX); x bf16 [M, ldx], unit u at columns
+ * [u*K_pad, (u+1)*K_pad), zero-padded by the caller.  Every "+" below is an fp32 operation rounded to
+ * nearest even, with bf16 denormal inputs read as zero and denormal results flushed to a zero of
+ * their sign (the Intel SDM: "DAZ=FTZ=1, RNE"); an FMA rounds once.  From acc = 0:
+ *   VDPBF16PS (instruction 1), pairs p ascending:
+ *     acc = fma(x[2p+1], w[2p+1], acc); acc = fma(x[2p], w[2p], acc)
+ *   TDPBF16PS (instruction 2), 32-wide k tiles ascending; in a tile two chains from zero over its
+ *   16 pairs ascending, e = fma(x[2p], w[2p], e), o = fma(x[2p+1], w[2p+1], o); then
+ *     acc = acc + (e + o)
+ * Not the fmaf chain of tpguide_linear_units, so these classes' bf16 bits are their own; every
+ * element's sequence is fixed, whatever the rows beside it, the columns per call and threads. */
+
+/* bf16 -> fp32 with denormals as (signed) zero: the instructions' "DAZ". */
+static inline float bf16_daz(uint16_t h) { return bf16_to_f32((h & 0x7F80u) ? h : (uint16_t)(h & 0x8000u)); }
+
+/* An fp32 result below the smallest normal becomes a zero of its sign: "FTZ". */
+static inline float flush_tiny(float v) { return fabsf(v) < FLT_MIN ? copysignf(0.0f, v) : v; }
+
+#define PAIR_VDPBF16PS 1
+#define PAIR_TDPBF16PS 2
+#define AMX_K_TILE 32 /* bf16 k values per TDPBF16PS */
+
+/* Emulated tile: rows [0, mr) x NB columns of one packed panel, acc from zero, in plain C. */
+static void pair_tile_emulated(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K_pad,
+                               int instruction, float acc_out[MR][NB]) {
+    float acc[MR][NB], even[MR][NB], odd[MR][NB];
+    memset(acc, 0, sizeof(acc));
+    const int64_t pairs_per_step = instruction == PAIR_TDPBF16PS ? AMX_K_TILE / 2 : 1;
+    for (int64_t p0 = 0; p0 < K_pad / 2; p0 += pairs_per_step) {
+        memset(even, 0, sizeof(even));
+        memset(odd, 0, sizeof(odd));
+        for (int64_t p = p0; p < p0 + pairs_per_step; p++) {
+            const uint16_t *wp = w + p * NB * 2;
+            for (int r = 0; r < mr; r++) {
+                const float x0 = bf16_daz(x[r * ldx + 2 * p]), x1 = bf16_daz(x[r * ldx + 2 * p + 1]);
+                for (int j = 0; j < NB; j++) {
+                    const float w0 = bf16_daz(wp[2 * j]), w1 = bf16_daz(wp[2 * j + 1]);
+                    if (instruction == PAIR_VDPBF16PS) {
+                        acc[r][j] = flush_tiny(fmaf(x1, w1, acc[r][j]));
+                        acc[r][j] = flush_tiny(fmaf(x0, w0, acc[r][j]));
+                    } else {
+                        even[r][j] = flush_tiny(fmaf(x0, w0, even[r][j]));
+                        odd[r][j] = flush_tiny(fmaf(x1, w1, odd[r][j]));
+                    }
+                }
+            }
+        }
+        if (instruction == PAIR_TDPBF16PS)
+            for (int r = 0; r < mr; r++)
+                for (int j = 0; j < NB; j++) acc[r][j] = flush_tiny(acc[r][j] + flush_tiny(even[r][j] + odd[r][j]));
+    }
+    memcpy(acc_out, acc, sizeof(acc));
+}
+
+#if defined(__AVX512BF16__) && defined(USE_AVX512)
+#define USE_AVX512_BF16 1
+/* VDPBF16PS tile: one zmm lane per output column (16 columns' k pairs per weight register), the rows'
+ * accumulators in registers, each row's x pair broadcast; one instruction per pair and 16 columns. */
+static inline __attribute__((always_inline)) void pair_tile_rows(const int mr, const uint16_t *x, int64_t ldx,
+                                                                 const uint16_t *w, int64_t K_pad,
+                                                                 float acc_out[MR][NB]) {
+    __m512 a0[MR], a1[MR];
+    for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K_pad / 2; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2 + 32));
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(acc_out[r], a0[r]);
+        _mm512_storeu_ps(acc_out[r] + 16, a1[r]);
+    }
+}
+static void pair_tile_dpbf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K_pad,
+                             float acc_out[MR][NB]) {
+    switch (mr) {
+    case 8: pair_tile_rows(8, x, ldx, w, K_pad, acc_out); break;
+    case 7: pair_tile_rows(7, x, ldx, w, K_pad, acc_out); break;
+    case 6: pair_tile_rows(6, x, ldx, w, K_pad, acc_out); break;
+    case 5: pair_tile_rows(5, x, ldx, w, K_pad, acc_out); break;
+    case 4: pair_tile_rows(4, x, ldx, w, K_pad, acc_out); break;
+    case 3: pair_tile_rows(3, x, ldx, w, K_pad, acc_out); break;
+    case 2: pair_tile_rows(2, x, ldx, w, K_pad, acc_out); break;
+    default: pair_tile_rows(1, x, ldx, w, K_pad, acc_out); break;
+    }
+}
+#endif
+
+/* 1 if this build has the VDPBF16PS tile (compiled with -mavx512bf16), else 0. */
+int tpguide_has_dpbf16(void) {
+#if defined(USE_AVX512_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The bf16 pair linear (layout above); out / sum_units / out_dtype as tpguide_linear_units.
+ * emulate != 0: the plain-C tile (any CPU) of `instruction` (1: VDPBF16PS, 2: TDPBF16PS);
+ * emulate == 0: the VDPBF16PS tile (instruction must be 1).  Returns 0, or -1 for an odd K_pad
+ * (not a multiple of 32 for TDPBF16PS), a bad out_dtype or instruction, or emulate == 0 in a build
+ * without VDPBF16PS or with instruction 2. */
+int tpguide_linear_units_pairs(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
+                               int64_t U, int64_t N, void *out, int64_t out_dtype, int64_t sum_units,
+                               int64_t instruction, int64_t emulate, int64_t num_threads) {
+    if (K_pad % 2 || (out_dtype != 0 && (out_dtype != 2 || !sum_units))) return -1;
+    if ((instruction != PAIR_VDPBF16PS && instruction != PAIR_TDPBF16PS) ||
+        (instruction == PAIR_TDPBF16PS && K_pad % AMX_K_TILE))
+        return -1;
+    if (!emulate && (!tpguide_has_dpbf16() || instruction != PAIR_VDPBF16PS)) return -1;
+    const int64_t P = (N + NB - 1) / NB;
+    const int64_t R = (M + MR - 1) / MR;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < P; p++) {
+        for (int64_t rb = 0; rb < R; rb++) {
+            const int64_t m0 = rb * MR;
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            const int64_t n0 = p * NB;
+            const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+            float acc[MR][NB];
+            float total[MR][NB];
+            for (int64_t u = 0; u < U; u++) {
+                const uint16_t *xu = x + m0 * ldx + u * K_pad;
+                const uint16_t *wu = w + (u * P + p) * K_pad * NB;
+#if defined(USE_AVX512_BF16)
+                if (!emulate)
+                    pair_tile_dpbf16(mr, xu, ldx, wu, K_pad, acc);
+                else
+#endif
+                    pair_tile_emulated(mr, xu, ldx, wu, K_pad, (int)instruction, acc);
+                unit_done(acc, total, u, sum_units, sum_units ? (float *)out : (float *)out + u * M * N, N, m0, n0,
+                          mr, nb);
+            }
+            if (sum_units) store_tile(total, out, out_dtype, N, m0, n0, mr, nb);
         }
     }
     return 0;
