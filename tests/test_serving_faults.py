@@ -65,8 +65,9 @@ def assert_error(response, status, *needles):
 
 def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_next_request_is_served(server):
     raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'
-    assert_error(post(server, "chat", raw), 400,
-                 "messages[0].content is not valid Unicode (lone surrogate U+D800 at character 0)")
+    error = assert_error(post(server, "chat", raw), 400,
+                         "messages[0].content is not valid Unicode (lone surrogate U+D800 at character 0)")
+    assert error["param"] == "messages[0].content"
     assert_error(post(server, "completion", b'{"model": "tiny", "prompt": "hi", "stop": ["\\udc00"]}'), 400,
                  "stop[0] is not valid Unicode")
     assert_error(post(server, "chat", chat("hi", tools=[{"type": "function", "function": {"name": "f\udbff"}}])),

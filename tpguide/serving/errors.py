@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Optional
 
 
@@ -37,8 +38,19 @@ class APIError(Exception):
 
 
 def bad_request(message: str, param: Optional[str] = None) -> APIError:
-    """400 ``invalid_request_error``."""
-    return APIError(400, message, "invalid_request_error", param)
+    """400 ``invalid_request_error``; ``param`` defaults to the field the message starts with
+    (``"temperature must be ..."``, ``"messages[0].content is not valid Unicode ..."``, ``"a key of logit_bias ..."``)."""
+    return APIError(400, message, "invalid_request_error", param if param is not None else field_of(message))
+
+
+_LEADING_FIELD = re.compile(r"^(?:a key of )?'?([A-Za-z_][\w$]*(?:\[\d+\])?(?:\.[\w$]+(?:\[\d+\])?)*)'? "
+                            r"(?:must|is|are|names|allows|needs|lists|has)\b")
+
+
+def field_of(message: str) -> Optional[str]:
+    """The request field a validation message starts with, else None."""
+    found = _LEADING_FIELD.match(message)
+    return found.group(1) if found else None
 
 
 def unsupported(field: str, why: str = "") -> APIError:
