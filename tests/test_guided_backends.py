@@ -258,7 +258,7 @@ def test_rollback_over_stop_token(backend, tokenizer, stop_ids, obj, text):
 @pytest.mark.parametrize(
     "obj, fragment",
     [
-        ({"json": {"type": 12}}, "json_schema"),
+        ({"json": {"type": 12}, "strict": False}, "json_schema"),  # strict: refused at parse by the metaschema
         ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "json_schema"),
         ({"regex": "a(b"}, "regex"),
         ({"regex": "[z-a]"}, "regex"),

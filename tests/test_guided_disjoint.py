@@ -11,7 +11,7 @@ from tpguide.guided.schema_check import validator_for_schema
 
 _INT, _STR = {"type": "integer"}, {"type": "string"}
 KIND_A = {"type": "object", "properties": {"kind": {"const": "a"}, "x": _INT}, "required": ["kind"]}
-KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}}, "required": ["kind", "y"]}
+KIND_B = {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "y": _STR}, "required": ["kind", "y"]}
 
 DISJOINT = [
     [_INT, _STR],

@@ -145,7 +145,7 @@ def build_answer(parsed: ParsedRequest, request_id: str, outputs: Sequence[Any],
     choices = []
     for k, out in enumerate(outputs):
         if parsed.endpoint == "chat":
-            text = out.text if parsed.tools is None else tool_output_text(parsed.tools, token_text.tokenizer, out)
+            text = out.text if parsed.tools is None else tool_output_text(parsed.tools, getattr(token_text, "tokenizer", None), out)
             message, reason = chat_message(text, parsed.tools, out.finish_reason)  # the answer only
             message = with_reasoning(message, getattr(out, "reasoning", None), parsed.include_reasoning)
             lp = chat_logprobs(out.logprobs or [], parsed.logprobs, token_text) if parsed.logprobs is not None \
