@@ -122,8 +122,11 @@ class SparseMoeBlock(nn.Module):
     def _expert_partials(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``rows [n, H]``: fp32 ``[U_local, n, H]``, its down projection per reduction unit."""
         expert = self.experts[e]
-        h = expert.act_and_mul(expert.gate_up_proj(rows))  # [n, I/T]
-        down = expert.down_proj
+        return self._down_partials(e, expert.act_and_mul(expert.gate_up_proj(rows)))
+
+    def _down_partials(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, I/T]`` (activated) -> fp32 ``[U_local, n, H]``: expert ``e``'s down projection per unit."""
+        down = self.experts[e].down_proj
         return unit_partials(h, down.weight, down.num_local_units, down)
 
     def _pair_partials(self, x: torch.Tensor, ids: torch.Tensor, num_local_units: int) -> torch.Tensor:
@@ -135,16 +138,15 @@ class SparseMoeBlock(nn.Module):
                 hit = (ids == e)[None, :, :, None]  # [1, T, k, 1]
                 out = torch.where(hit, self._expert_partials(e, x)[:, :, None, :], out)
             return out.view(num_local_units, num_tokens * k, x.shape[1])
-        out = x.new_empty((num_local_units, num_tokens * k, x.shape[1]), dtype=torch.float32)
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending inside
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):  # host read
-            if n:
-                pairs = order[start:start + n]
-                out.index_copy_(1, pairs, self._expert_partials(e, x.index_select(0, pairs // k)))
-                start += n
-        return out
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host read
+        spans = [(e, sum(counts[:e]), n) for e, n in enumerate(counts) if n]  # (expert, first pair, pairs)
+        rows = x.index_select(0, order // k)  # [T*k, H], grouped by expert
+        gate_up = torch.cat([self.experts[e].gate_up_proj(rows[a:a + n]) for e, a, n in spans])  # [T*k, 2I/T]
+        h = self.experts[0].act_and_mul(gate_up)  # [T*k, I/T], elementwise: one call for every expert
+        grouped = torch.cat([self._down_partials(e, h[a:a + n]) for e, a, n in spans], dim=1)  # [U_local, T*k, H]
+        return torch.empty_like(grouped).index_copy_(1, order, grouped)  # back to pair order t*k + j
 
     def _forward_all_reduce(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Not TP-invariant: each expert's local down partial weighted, summed, one all-reduce."""
