@@ -140,3 +140,15 @@ def test_a_missing_or_misshapen_expert_tensor_is_named(checkpoints, tmp_path):
                  else r"experts\.2\.w2\.weight.*shape \[64, 95\], the config expects \[64, 96\]")
         with pytest.raises(ValueError, match=match):
             load_model(d, TPGroup())
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_plain_mode_equals_the_exact_mode_within_rounding(arch, checkpoints):
+    """Without ``tp_invariant`` (library matmuls, one all-reduce of the weighted sum): the same logits up to rounding."""
+    ids = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = {}
+    for exact in (True, False):
+        model = load_model(checkpoints[arch], TPGroup(), tp_invariant=exact)
+        model.allocate_kv_cache(1, 32)
+        got[exact] = _logits(model, ids)
+    torch.testing.assert_close(got[False], got[True], atol=1e-4, rtol=0)

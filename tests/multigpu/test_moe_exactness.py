@@ -12,6 +12,8 @@ tp 1 (this process) and tp 2 (gloo):
   routing): every row equals the row alone;
 * each tp-2 rank's logits shard equals the slice of the tp-1 logits;
 * each rank holds half of every expert (bytes of the expert weights);
+* without ``tp_invariant`` (library kernels, an all-reduce), tp 2 gives tp 1's
+  fp32 logits up to rounding;
 * the engine with grammar drafts (the default) gives the token ids and
   logprobs of the engine without drafts; its JSON-schema request ends with
   ``stop`` and valid JSON, the same tokens at tp 1 and 2.
@@ -87,6 +89,9 @@ def _job(group: TPGroup, model_dirs: dict) -> dict:
             shard = model.vocab_shard
             out[arch, dtype] = ({**alone, **copies}, bad + bad_copies,
                                 (shard.vocab_start_index, shard.vocab_end_index), expert_weight_bytes(model))
+        plain = load_model(model_dir, group, tp_invariant=False)  # library kernels, one all-reduce per MoE layer
+        plain.allocate_kv_cache(1, 64)
+        out[arch, "plain"] = _forward(plain, [(0, 0, _tokens(PROMPT_LEN, 0, VOCAB))])[0][-1]
     return out
 
 
@@ -103,10 +108,16 @@ def tp1(model_dirs):
 
 
 def test_rows_equal_alone_and_tp2_shards_equal_tp1(model_dirs, tp1):
-    for arch, (_, bad, _, _) in tp1.items():
+    exact = {k: v for k, v in tp1.items() if k[1] != "plain"}
+    for arch, (_, bad, _, _) in exact.items():
         assert not bad, f"tp 1 {arch}: differ from the row alone: {bad}"
     for rank, res in enumerate(run_at_tp_size(_job, 2, model_dirs)):
-        for arch, (alone, bad, (start, end), expert_bytes) in res.items():
+        for arch in ARCHS:  # the plain mode at tp 2: tp 1's fp32 logits up to rounding
+            start, end = res[arch, torch.float32][2]
+            width = min(end, VOCAB) - start
+            np.testing.assert_allclose(res[arch, "plain"][:width], tp1[arch, torch.float32][0]["prefill"][
+                start:start + width], atol=1e-4, rtol=0)
+        for arch, (alone, bad, (start, end), expert_bytes) in ((k, v) for k, v in res.items() if k[1] != "plain"):
             assert not bad, f"tp 2 rank {rank} {arch}: differ from the row alone: {bad}"
             reference, _, _, whole = tp1[arch]
             assert 2 * expert_bytes == whole, f"{arch} rank {rank}: {expert_bytes} expert bytes of {whole}"
