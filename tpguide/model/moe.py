@@ -7,8 +7,8 @@ docs/models.md, "Mixtures of experts".  Per MoE layer, on every rank::
       └─ per expert e, on the rows routed to it (grouped: its weights read once per step):
            gate_up_proj (column-parallel, this rank's I/T columns) ─ act(gate) * up
            ─ down_proj partials per reduction unit (this rank's units)      fp32 [U_local, n_e, H]
-      ─ all-gather the units of every (token, expert) pair, add them in unit order  ─ y [T*k, H] model dtype
-      ─ out[t] = sum_j w[t, j] * y[t, j]   in ascending expert id, fp32, rounded once
+      ─ per unit u: q_u[t] = sum_j w[t, j] * p_u[t, j]   in ascending expert id, fp32   [U_local, T, H]
+      ─ all-gather the units, add them in unit order, round once               out [T, H] model dtype
 
 **Sharding.**  Every rank holds a slice of every expert, like the dense MLP
 (:class:`~tpguide.model.llama.LlamaMLP`: gate/up column-parallel, down
@@ -18,19 +18,21 @@ parallelism (whole experts per rank) is not implemented.
 **Exactness** (docs/architecture.md §6).  The down projection's partial sums
 run over the fixed reduction units of the dense ``down_proj``
 (:func:`~tpguide.model.invariant_reduce.reduction_block_size` of the expert
-width), gathered and added in unit order, so ``y`` does not depend on the tp
-size; every matmul is a fixed-order kernel whose rows are independent, so a
-(token, expert) pair's bits do not depend on how many other tokens chose the
-expert; the ``k`` weighted outputs are added in ascending expert id with
-plain fp32 multiplies and adds.  So a token's output depends on its own
-hidden state only: the same at tp 1-4, alone or batched, chunked or not,
-verified as a draft or decoded.
+width); inside each unit the ``k`` weighted partials are added in ascending
+expert id (plain fp32 multiplies and adds), then the units are gathered and
+added in unit order, the same at every tp size: one all-gather per layer of
+the dense MLP's size, not ``k`` times it.  Every matmul is a fixed-order
+kernel whose rows are independent, so a (token, expert) pair's bits do not
+depend on how many other tokens chose the expert.  So a token's output
+depends on its own hidden state only: the same at tp 1-4, alone or batched,
+chunked or not, verified as a draft or decoded.
 
 **Weighting** as the family: Qwen3-MoE rounds the routing weights to the
-model dtype (``router_weights_fp32`` False), Mixtral keeps them fp32;
-transformers then rounds each weighted expert output to the model dtype and
-accumulates there, tpguide accumulates in fp32 and rounds once (equal in
-fp32, within rounding in bf16).
+model dtype (``router_weights_fp32`` False), Mixtral keeps them fp32.
+transformers rounds each expert's output to the model dtype, weights it,
+rounds again and accumulates in the model dtype in ascending expert id;
+tpguide keeps the whole sum in fp32 and rounds once (the same value up to
+fp32 reassociation; within rounding in bf16).
 
 **Dispatch** (who computes which rows):
 
@@ -109,8 +111,8 @@ class SparseMoeBlock(nn.Module):
             return self._forward_all_reduce(x, ids, weights)
         down = self.experts[0].down_proj
         partials = self._pair_partials(x, ids, down.num_local_units)  # fp32 [U_local, T*k, H]
-        y = sum_units(partials, down.num_real_units, self.group, x.dtype)  # [T*k, H], the one communication point
-        return combine_experts(y.view(x.shape[0], self.top_k, -1), weights).to(x.dtype)
+        weighted = combine_experts(partials.view(down.num_local_units, x.shape[0], self.top_k, -1), weights)
+        return sum_units(weighted, down.num_real_units, self.group, x.dtype)  # [T, H], the one communication point
 
     def _mode(self, x: torch.Tensor) -> str:
         if self.dispatch not in DISPATCH_MODES:
@@ -160,15 +162,16 @@ class SparseMoeBlock(nn.Module):
 
 
 def combine_experts(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[T, H]``: ``sum_j weights[:, j] * y[:, j]``, ``j`` ascending, one multiply and one add per term.
+    """fp32 ``[..., T, H]``: ``sum_j weights[:, j] * y[..., :, j]``, ``j`` ascending, one multiply and one add per term.
 
-    ``y [T, k, H]`` (any float dtype, the experts in ascending id), ``weights
-    [T, k]``; every product and sum in fp32, each exactly rounded (no fused
-    multiply-add, whose use would differ between vector and scalar loops).
+    ``y [..., T, k, H]`` (any float dtype, the experts in ascending id; the
+    leading dims are reduction units), ``weights [T, k]``; every product and
+    sum in fp32, each exactly rounded (no fused multiply-add, whose use would
+    differ between vector and scalar loops).
     """
-    acc = y[:, 0].float() * weights[:, :1].float()
-    for j in range(1, y.shape[1]):
-        acc = acc + y[:, j].float() * weights[:, j:j + 1].float()
+    acc = y[..., 0, :].float() * weights[:, :1].float()
+    for j in range(1, y.shape[-2]):
+        acc = acc + y[..., j, :].float() * weights[:, j:j + 1].float()
     return acc
 
 
