@@ -62,9 +62,12 @@ def test_all_rows_dispatch_has_the_bits_of_grouped_dispatch(arch, checkpoints):
         grouped = _logits(model, ids)
         blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         assert len(blocks) == len(model.config.moe_layers) >= 2
+        empty = torch.zeros(0, model.config.hidden_size, dtype=dtype)
+        assert blocks[0](empty).shape == empty.shape  # a step without rows
         for block in blocks:
             block.dispatch = "all_rows"
         assert torch.equal(_logits(model, ids), grouped), (arch, dtype)
+        assert blocks[0](empty).shape == empty.shape
         blocks[0].dispatch = "sorted"
         with pytest.raises(ValueError, match="dispatch must be one of"):
             _logits(model, ids)

@@ -111,7 +111,7 @@ class SparseMoeBlock(nn.Module):
             return self._forward_all_reduce(x, ids, weights)
         down = self.experts[0].down_proj
         partials = self._pair_partials(x, ids, down.num_local_units)  # fp32 [U_local, T*k, H]
-        weighted = combine_experts(partials.view(down.num_local_units, x.shape[0], self.top_k, -1), weights)
+        weighted = combine_experts(partials.view(down.num_local_units, x.shape[0], self.top_k, x.shape[1]), weights)
         return sum_units(weighted, down.num_real_units, self.group, x.dtype)  # [T, H], the one communication point
 
     def _mode(self, x: torch.Tensor) -> str:
@@ -134,6 +134,8 @@ class SparseMoeBlock(nn.Module):
     def _pair_partials(self, x: torch.Tensor, ids: torch.Tensor, num_local_units: int) -> torch.Tensor:
         """fp32 ``[U_local, T*k, H]``: pair ``t*k + j`` holds expert ``ids[t, j]``'s partials for token ``t``."""
         num_tokens, k = ids.shape
+        if num_tokens == 0:
+            return x.new_zeros((num_local_units, 0, x.shape[1]), dtype=torch.float32)
         if self._mode(x) == "all_rows":
             out = x.new_zeros((num_local_units, num_tokens, k, x.shape[1]), dtype=torch.float32)
             for e in range(self.num_experts):
