@@ -14,8 +14,8 @@ requests (greedy, ``--max-tokens``) through the default engine at tp 1 in
 this process (grammar drafts on), after a warm-up with other prompts;
 generated tokens per second of wall time, fastest of ``--repeats`` runs, the
 two models interleaved; then one decode step's time (forward and LM head
-over ``n`` rows, fastest of 20: the figure a shared machine disturbs
-least).  Then, per rank at tp 1 and 2 (gloo): bytes of the expert weights,
+over ``n`` rows, fastest of 40, the two models alternated step by step:
+the figure a shared machine disturbs least).  Then, per rank at tp 1 and 2 (gloo): bytes of the expert weights,
 of all parameters, and the peak RSS of the rank after loading.
 
 vLLM is not installed on the machines this was written on, so its CPU build
@@ -86,25 +86,32 @@ def tokens_per_second(model_dir: str, n: int, max_tokens: int) -> tuple[float, i
     return tokens / wall, tokens, sum(o["finish_reason"] == "stop" for o in outputs)
 
 
-def decode_step_ms(model_dir: str, n: int, iterations: int = 20) -> float:
-    """Fastest of ``iterations`` decode forwards (``n`` rows, then the LM head), ms: robust on a shared machine."""
+def decode_step_ms(model_dirs: dict, n: int, iterations: int = 40) -> dict:
+    """``{name: fastest decode step in ms}``: ``n`` rows forward + LM head, the models alternated step by step.
+
+    Alternating and taking the fastest of ``iterations`` steps keeps a shared
+    machine's bursts of load out of the ratio.
+    """
     from tpguide.dist import TPGroup
     from tpguide.model.attention import AttentionMetadata
     from tpguide.model.invariant_reduce import prepack_weights
     from tpguide.model.loader import load_model
 
-    model = load_model(model_dir, TPGroup(), torch.bfloat16)
-    prepack_weights(model)
-    model.allocate_kv_cache(n, 64)
+    models = {}
+    for name, d in model_dirs.items():
+        models[name] = load_model(d, TPGroup(), torch.bfloat16)
+        prepack_weights(models[name])
+        models[name].allocate_kv_cache(n, 64)
     meta = AttentionMetadata.from_lists(list(range(n)), [1] * n, [32] * n)
     ids = torch.randint(0, SHAPE["vocab_size"], (n,), generator=torch.Generator().manual_seed(0))
-    best = float("inf")
+    best = {name: float("inf") for name in models}
     for i in range(iterations + 2):
-        start = time.perf_counter()
-        model.compute_logits(model(ids, meta.token_positions, meta))
-        if i >= 2:  # two warm-up steps
-            best = min(best, time.perf_counter() - start)
-    return best * 1e3
+        for name, model in models.items():
+            start = time.perf_counter()
+            model.compute_logits(model(ids, meta.token_positions, meta))
+            if i >= 2:  # two warm-up steps
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
 
 
 def memory_on_rank(group, model_dir: str) -> dict:
@@ -148,10 +155,11 @@ def main(argv=None) -> int:
         (m, mt, ms), (dn, dt, ds) = best["moe"], best["dense"]
         print(f"{n:>8} {m:>10.1f} {dn:>12.1f} {m / dn:>9.2f}   {mt} ({ms}) | {dt} ({ds})")
         sys.stdout.flush()
-    print("one decode step (forward + LM head, fastest of 20), ms")
+    print("one decode step (forward + LM head, fastest of 40, the models alternated), ms")
     print(f"{'rows':>8} {'moe':>10} {'dense':>12} {'moe/dense':>9}")
     for n in (int(b) for b in args.batch_sizes.split(",")):
-        m, dn = decode_step_ms(dirs["moe"], n), decode_step_ms(dirs["dense"], n)
+        best = decode_step_ms(dirs, n)
+        m, dn = best["moe"], best["dense"]
         print(f"{n:>8} {m:>10.2f} {dn:>12.2f} {m / dn:>9.2f}")
     if not args.no_memory:
         print("per rank, bf16: expert weights, all parameters, peak RSS - RSS before loading (MiB)")
