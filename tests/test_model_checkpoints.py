@@ -77,7 +77,7 @@ def _config_dir(tmp_path, name, config):
     return d
 
 
-MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
        "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
 DYNAMIC_ROPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -86,7 +86,7 @@ DYNAMIC_ROPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 
 
 def test_moe_unknown_rope_and_unknown_family_are_one_line_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM is a mixture-of-experts model \(num_experts=8.*"
+    with pytest.raises(ValueError, match=r"Qwen2MoeForCausalLM is a mixture-of-experts model \(num_experts=8.*"
                                          r"supported architectures: LlamaForCausalLM.*Gemma3ForConditionalGeneration \(text only\)$") as moe:
         ModelConfig.from_pretrained(_config_dir(tmp_path, "moe", MOE))
     with pytest.raises(ValueError, match=r"rope_type 'dynamic' is not supported; supported: .*longrope") as rope:

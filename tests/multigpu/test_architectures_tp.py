@@ -28,7 +28,7 @@ import torch
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
 from tpguide.model.attention import AttentionMetadata
-from tpguide.model.hf_config import SUPPORTED_ARCHITECTURES
+from tpguide.model.hf_config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from tpguide.model.random_checkpoint import TINY_SLIDING_WINDOW, tiny_hf_config, write_random_model
 
 VOCAB = 49160  # LM-head rows; SmolLM2's tokenizer has 49152 ids
@@ -37,9 +37,10 @@ TP_SIZES = (1, 2, 3, 4)
 #: tp sizes per family.  tp 1 (unsharded) and tp 4 (sharded, two zero KV groups, padded vocabulary) for every
 #: family: a family's own layers (bias, windows, soft-caps, qk norms, RoPE variants) act per head, so they run
 #: the same sharded code at every tp size.  tp 2 (no padding) and tp 3 (odd size: one zero KV group, 3-way
-#: padded vocabulary) for Llama (the shared layers every family reuses) and Phi-3 (fused ``qkv_proj`` /
-#: ``gate_up_proj`` split per rank by its own loader).
-TP_CASES = {arch: (1, 2, 3, 4) if arch in ("LlamaForCausalLM", "Phi3ForCausalLM") else (1, 4)
+#: padded vocabulary) for Llama (the shared layers every family reuses), Phi-3 (fused ``qkv_proj`` /
+#: ``gate_up_proj`` split per rank by its own loader) and the mixtures of experts (Qwen3-MoE, Mixtral).
+#: The mixtures of experts at every tp size too: their experts are sharded and reduced by their own block.
+TP_CASES = {arch: (1, 2, 3, 4) if arch in ("LlamaForCausalLM", "Phi3ForCausalLM") + MOE_ARCHITECTURES else (1, 4)
             for arch in SUPPORTED_ARCHITECTURES}
 NUM_STEPS = 16
 PROMPT = "The lighthouse keeper counted the ships that passed the rocky northern cape every night, and wrote each name in a book"
@@ -175,7 +176,7 @@ def test_features_are_exercised(checkpoints):
     refs, _ = checkpoints
     cfg = {a: ModelConfig.from_pretrained(r[0]) for a, r in refs.items()}
     for arch in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-                 "Gemma3ForCausalLM"):
+                 "Gemma3ForCausalLM", "MixtralForCausalLM"):
         assert "sliding_attention" in cfg[arch].layer_types and cfg[arch].sliding_window == TINY_SLIDING_WINDOW
     assert cfg["Gemma2ForCausalLM"].attn_logit_softcapping and cfg["Gemma2ForCausalLM"].final_logit_softcapping
     assert cfg["Phi3ForCausalLM"].rope_params()["rope_type"] == "longrope"
@@ -183,5 +184,9 @@ def test_features_are_exercised(checkpoints):
     g3 = cfg["Gemma3ForCausalLM"]
     assert g3.rope_params("sliding_attention")["rope_theta"] != g3.rope_params("full_attention")["rope_theta"]
     assert cfg["Qwen3ForCausalLM"].qk_norm and not cfg["Qwen3ForCausalLM"].tie_word_embeddings
+    q_moe, mixtral = cfg["Qwen3MoeForCausalLM"], cfg["MixtralForCausalLM"]
+    assert q_moe.qk_norm and q_moe.moe_layers == (0, 2) and not q_moe.norm_topk_prob  # layer 1 dense
+    assert mixtral.moe_layers == (0, 1) and mixtral.norm_topk_prob and mixtral.router_weights_fp32
+    assert q_moe.num_experts == mixtral.num_experts == 8 and q_moe.num_experts_per_tok == 2
     for c in cfg.values():
         assert c.padded_heads(3) == (6, 3) and c.padded_heads(4) == (8, 4)  # zero KV groups at tp 3 and 4

@@ -3,7 +3,7 @@
 Memory: each rank loads its shard of a bf16 checkpoint at bf16; its peak RSS
 must stay within ``1.3 x shard bytes + baseline`` (baseline: the process
 after its imports, peak counter reset with ``/proc/self/clear_refs``).  The
-figures are printed.  Startup errors: a mixture-of-experts config and an
+figures are printed.  Startup errors: an unsupported mixture-of-experts config (Qwen2-MoE) and an
 unknown RoPE type make ``build_engine`` raise the same one-line
 ``ValueError`` on both ranks, before any collective (nothing hangs).
 """
@@ -62,9 +62,9 @@ def dirs(tmp_path_factory):
     bf16 = write_random_model(root / "bf16", cfg, dtype=torch.bfloat16)
     broken = {}
     for name, config in {
-        "moe": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+        "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
                 "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "num_local_experts": 4, "vocab_size": 1000},
+                "num_key_value_heads": 2, "num_experts": 4, "vocab_size": 1000},
         "rope": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000,
                  "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
@@ -80,7 +80,7 @@ def test_bf16_peak_rss_and_startup_errors_on_every_rank(dirs):
     bf16_dir, broken = dirs
     results = run_on_ranks(_memory_and_errors, 2, bf16_dir, broken, timeout_s=300)
     for rank, (errors, mem) in enumerate(results):
-        assert errors["moe"].startswith("unsupported model: MixtralForCausalLM is a mixture-of-experts model")
+        assert errors["moe"].startswith("unsupported model: Qwen2MoeForCausalLM is a mixture-of-experts model")
         assert "supported architectures: LlamaForCausalLM" in errors["moe"]
         assert "rope_type 'dynamic' is not supported; supported: " in errors["rope"]
         assert all("\n" not in e for e in errors.values())

@@ -1,8 +1,10 @@
 """Model side: config, tensor-parallel layers, architectures, weight loading.
 
 Families (one file each where they differ): ``llama`` (also Mistral, Qwen2),
-``qwen3``, ``phi3``, ``gemma2``, ``gemma3``; shared blocks in ``norm``,
-``rotary``, ``attention``, ``parallel_linear``, ``vocab_parallel_embedding``;
+``qwen3``, ``phi3``, ``gemma2``, ``gemma3``, and the mixtures of experts
+``qwen3_moe`` and ``mixtral``; shared blocks in ``norm``,
+``rotary``, ``attention``, ``parallel_linear``, ``vocab_parallel_embedding``,
+``moe`` (with ``moe_router``, ``moe_checkpoint``);
 ``hf_config`` translates transformers configs; ``safetensors_reader`` reads
 each rank's slices; ``model_source`` resolves ``--model`` (HF directory,
 ``FILE.gguf``, or the embedded default).

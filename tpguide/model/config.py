@@ -1,7 +1,8 @@
-"""The model configuration: the numbers a dense decoder of a supported family needs.
+"""The model configuration: the numbers a decoder of a supported family needs.
 
 :class:`ModelConfig` is read from a Hugging Face ``config.json`` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text; SmolLM2 is a Llama) and
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text, and the mixtures of
+experts Qwen3-MoE and Mixtral; SmolLM2 is a Llama) and
 validated once; :mod:`tpguide.model.hf_config` translates the per-family
 transformers fields.  It also owns the
 head-padding arithmetic that decides which ``tp_size`` values a model
@@ -129,6 +130,21 @@ class ModelConfig:
         (Gemma 2).
     embed_scale : float
         Multiplies the embedding output (Gemma: ``sqrt(hidden_size)``).
+    num_experts : int
+        Routed experts of a mixture-of-experts layer (0: a dense model).
+    num_experts_per_tok : int
+        Experts each token is routed to (top-k).
+    moe_intermediate_size : int
+        Each expert's gated-MLP width (Mixtral: ``intermediate_size``).
+    norm_topk_prob : bool
+        The top-k routing weights are divided by their sum (Mixtral: always).
+    moe_layers : tuple of int
+        The layers whose MLP is the expert block (the others are dense MLPs
+        of ``intermediate_size``; Qwen3-MoE's ``decoder_sparse_step`` /
+        ``mlp_only_layers``).
+    router_weights_fp32 : bool
+        The routing weights stay fp32 when they weight the expert outputs
+        (Mixtral); False: rounded to the model dtype first (Qwen3-MoE).
     text_decoder_of : str or None
         The multimodal architecture (``Gemma3ForConditionalGeneration``)
         whose language model this is; its checkpoint names carry a prefix
@@ -169,6 +185,12 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
     embed_scale: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: Tuple[int, ...] = ()
+    router_weights_fp32: bool = False
     text_decoder_of: Optional[str] = None
     tp_invariant: bool = True
     hf_config: Optional[Any] = field(default=None, compare=False, repr=False)
@@ -195,12 +217,31 @@ class ModelConfig:
             raise ValueError(f"layer_types {unknown} are not supported; supported: {SUPPORTED_LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and (self.sliding_window or 0) < 1:
             raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        self._check_experts()
         for layer_type in sorted(set(self.layer_types) or {"full_attention"}):
             rope_type = self.rope_params(layer_type).get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
             if rope_type != "default" and self.hf_config is None:
                 raise ValueError(f"rope_type={rope_type!r} needs hf_config (the transformers config object)")
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            if self.moe_layers:
+                raise ValueError(f"moe_layers={list(self.moe_layers)} needs num_experts >= 1")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        outside = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ValueError(f"moe_layers {outside} outside [0, num_hidden_layers={self.num_hidden_layers})")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s MLP is the mixture-of-experts block."""
+        return layer_idx in self.moe_layers
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -274,8 +315,10 @@ class ModelConfig:
     def _tp_size_problem(self, tp_size: int) -> Optional[str]:
         if tp_size < 1:
             return f"tp_size must be >= 1, got {tp_size}"
-        if self.intermediate_size % tp_size:
+        if len(self.moe_layers) < self.num_hidden_layers and self.intermediate_size % tp_size:
             return f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp_size}"
+        if self.moe_layers and self.moe_intermediate_size % tp_size:
+            return f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by tp_size={tp_size}"
         return None
 
     def valid_tp_sizes(self, up_to: int = MAX_LISTED_TP_SIZE) -> list[int]:
@@ -286,7 +329,8 @@ class ModelConfig:
         """Raise ``ValueError`` naming the valid sizes if the model cannot run at ``tp_size``.
 
         Attention heads always fit (zero-padded, see the module docstring);
-        the MLP's ``intermediate_size`` must divide by ``tp_size``.
+        the MLP's ``intermediate_size`` (and each expert's
+        ``moe_intermediate_size``) must divide by ``tp_size``.
         """
         problem = self._tp_size_problem(tp_size)
         if problem is not None:

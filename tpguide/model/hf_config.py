@@ -10,8 +10,12 @@ What differs per family (HF field names)::
     Phi3       no                     no        hidden_act           head_dim**-0.5             fused qkv/gate_up; sliding_window
     Gemma2     attention_bias         no        hidden_activation    query_pre_attn_scalar**-.5 (1+w) norms, soft-caps, layer_types
     Gemma3     attention_bias         yes       hidden_activation    query_pre_attn_scalar**-.5 (1+w) norms, RoPE per layer type
+    Qwen3Moe   attention_bias         yes       hidden_act           head_dim**-0.5             experts: num_experts, moe_intermediate_size,
+                                                                                                norm_topk_prob, decoder_sparse_step, mlp_only_layers
+    Mixtral    no                     no        hidden_act           head_dim**-0.5             experts: num_local_experts (width intermediate_size,
+                                                                                                top-k renormalised, fp32 weights); sliding_window
 
-Unsupported configurations (mixture-of-experts blocks, other families,
+Unsupported configurations (other mixtures of experts, other families,
 bidirectional attention) raise one ``ValueError`` line naming the feature and
 listing what is supported, before any weight is read.
 """
@@ -20,15 +24,17 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-#: HF ``architectures`` entries this package runs (dense, text-only decoders).
+#: HF ``architectures`` of mixtures of experts this package runs (docs/models.md, "Mixtures of experts").
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+#: HF ``architectures`` entries this package runs (text-only decoders).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM") + MOE_ARCHITECTURES
 
 #: ``model_type`` -> architecture, for configs without ``architectures``.
 ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 #: Multimodal architectures whose text decoder runs (images refused): name -> the text architecture.
 TEXT_DECODER_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -57,10 +63,11 @@ def check_supported(hf_config: Any) -> str:
     arch = architecture_of(hf_config)
     supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(f"{k} (text only)" for k in TEXT_DECODER_OF))
     experts = {f: getattr(hf_config, f) for f in MOE_FIELDS if (getattr(hf_config, f, None) or 0) > 0}
-    if experts or "moe" in arch.lower() or "mixtral" in arch.lower():
+    if arch not in MOE_ARCHITECTURES and (experts or "moe" in arch.lower() or "mixtral" in arch.lower()):
         shown = ", ".join(f"{k}={v}" for k, v in experts.items()) or "expert layers"
         raise ValueError(f"unsupported model: {arch} is a mixture-of-experts model ({shown}); "
-                         f"tpguide runs dense decoders only; supported architectures: {supported}")
+                         f"the mixtures of experts tpguide runs are {', '.join(MOE_ARCHITECTURES)}; "
+                         f"supported architectures: {supported}")
     if arch not in SUPPORTED_ARCHITECTURES and arch not in TEXT_DECODER_OF:
         raise ValueError(f"unsupported model: architecture {arch!r}; supported architectures: {supported}")
     if getattr(hf_config, "use_bidirectional_attention", False):
@@ -89,6 +96,23 @@ def _rope_parameters(hf_config: Any, arch: str) -> Dict[str, Any]:
     return rope
 
 
+def _expert_kwargs(hf_config: Any, arch: str, num_layers: int) -> Dict[str, Any]:
+    """The mixture-of-experts fields of :class:`~tpguide.model.config.ModelConfig` (none for a dense family)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, top-k renormalised in fp32
+        return dict(num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
+                    moe_intermediate_size=hf_config.intermediate_size, norm_topk_prob=True,
+                    moe_layers=tuple(range(num_layers)), router_weights_fp32=True)
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    sparse = tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=num_experts, num_experts_per_tok=hf_config.num_experts_per_tok,
+                moe_intermediate_size=hf_config.moe_intermediate_size,
+                norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)), moe_layers=sparse)
+
+
 def model_config_kwargs(hf_config: Any) -> Dict[str, Any]:
     """Keyword arguments of :class:`~tpguide.model.config.ModelConfig` for ``hf_config``.
 
@@ -114,7 +138,7 @@ def model_config_kwargs(hf_config: Any) -> Dict[str, Any]:
         return kwargs
     bias = bool(getattr(hf_config, "attention_bias", False))
     qkv_bias, o_bias = {"Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False),
-                        "Phi3ForCausalLM": (False, False)}.get(arch, (bias, bias))
+                        "MixtralForCausalLM": (False, False), "Phi3ForCausalLM": (False, False)}.get(arch, (bias, bias))
     num_layers = hf_config.num_hidden_layers
     layer_types = _layer_types(hf_config, num_layers)
     gemma = arch in _GEMMA
@@ -139,8 +163,9 @@ def model_config_kwargs(hf_config: Any) -> Dict[str, Any]:
         rope_parameters=_rope_parameters(hf_config, arch),
         layer_types=layer_types,
         sliding_window=getattr(hf_config, "sliding_window", None) if "sliding_attention" in layer_types else None,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
         hf_config=hf_config,
+        **_expert_kwargs(hf_config, arch, num_layers),
     )
     if gemma:
         kwargs.update(

@@ -103,11 +103,16 @@ FIXED_ORDER_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))``; SiLU (Llama) or tanh-GELU (Gemma's GeGLU)."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``; SiLU (Llama) or tanh-GELU (Gemma's GeGLU).
 
-    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
+    ``intermediate_size`` (default ``config.intermediate_size``) sets another
+    width: one expert of a mixture of experts (:mod:`tpguide.model.moe`).
+    """
+
+    def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype,
+                 intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        i = config.intermediate_size
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i], group, config.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(i, config.hidden_size, group, bias=config.mlp_bias,
                                            reduce_results=True, dtype=dtype,
@@ -124,17 +129,20 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]`` (replicated)."""
-        gate_up = self.gate_up_proj(x)  # [T, 2 * I/T]
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2 * I/T] -> [T, I/T]``: ``act(gate) * up`` of this rank's columns, the model dtype."""
         if self.act_name == "silu" and use_triton(gate_up):  # the CUDA path: one launch (docs/gpu.md)
             from tpguide.kernels.silu_and_mul_triton import silu_and_mul_triton
 
-            return self.down_proj(silu_and_mul_triton(gate_up))
+            return silu_and_mul_triton(gate_up)
         if self.fixed_order and takes(gate_up) and not use_triton(gate_up):
-            return self.down_proj(act_and_mul(gate_up, self.act_name))
+            return act_and_mul(gate_up, self.act_name)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I/T] each
         if self.fixed_order and not gate.is_cuda:
-            return self.down_proj(unary_fixed_order(gate, self.act_name).to(gate.dtype) * up)
-        return self.down_proj(self.act_fn(gate) * up)
+            return unary_fixed_order(gate, self.act_name).to(gate.dtype) * up
+        return self.act_fn(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -157,7 +165,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = self.attention_cls(config, group, dtype, layer_idx)
         self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, group, dtype)
+        self.mlp = self.make_mlp(config, group, dtype, layer_idx)
+
+    def make_mlp(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block (a mixture of experts overrides it, :mod:`tpguide.model.moe`)."""
+        return LlamaMLP(config, group, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]``: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""

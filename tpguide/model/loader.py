@@ -11,6 +11,8 @@ copy).  HF names map onto the TP modules like this (``N`` = layer)::
     model.layers.N.mlp.{gate,up}_proj.*      ->  model.layers.N.mlp.gate_up_proj.*     shard 0 / 1
     model.layers.N.self_attn.qkv_proj.*      ->  (Phi-3, fused) row views "q", "k", "v" of the same
     model.layers.N.mlp.gate_up_proj.*        ->  (Phi-3, fused) row views 0, 1 of the same
+    model.layers.N.mlp.experts.*, .gate.*    ->  (MoE layers) see tpguide.model.moe_checkpoint
+    model.layers.N.block_sparse_moe.*        ->  (Mixtral) the same parameters
     everything else                          ->  the parameter of the same name
     lm_head.weight                           ->  skipped when tie_word_embeddings
 
@@ -30,8 +32,11 @@ from tpguide.model.gemma2 import Gemma2ForCausalLM
 from tpguide.model.gemma3 import Gemma3ForCausalLM, text_weight_name
 from tpguide.model.invariant_reduce import drop_packed_weights
 from tpguide.model.llama import LlamaForCausalLM
+from tpguide.model.mixtral import MixtralForCausalLM
+from tpguide.model.moe_checkpoint import expert_checkpoint_names, expert_targets
 from tpguide.model.phi3 import Phi3ForCausalLM, fused_parts
 from tpguide.model.qwen3 import Qwen3ForCausalLM
+from tpguide.model.qwen3_moe import Qwen3MoeForCausalLM
 from tpguide.model.safetensors_reader import checkpoint_files, iter_checkpoint
 from tpguide.model.weight_slice import RowView, loaded_shape
 
@@ -40,7 +45,8 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM, "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 #: ``(HF substring, TP substring, shard_id)`` for packed parameters.
@@ -74,7 +80,6 @@ def expected_checkpoint_names(config: ModelConfig) -> set[str]:
                       "mlp.down_proj.weight"]
     else:
         per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
@@ -87,6 +92,10 @@ def expected_checkpoint_names(config: ModelConfig) -> set[str]:
         per_layer += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
     for i in range(config.num_hidden_layers):
         names.update(f"model.layers.{i}.{p}" for p in per_layer)
+        if config.is_moe_layer(i):
+            names.update(expert_checkpoint_names(config, i))
+        elif config.architecture != "Phi3ForCausalLM":
+            names.update(f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
     return names
 
 
@@ -113,10 +122,18 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
         parts = fused_parts(name, config) if config.architecture == "Phi3ForCausalLM" else []
-        targets = ([(name, shard_id, RowView(loaded, start, rows)) for shard_id, start, rows in parts]
-                   if parts else [(*map_checkpoint_name(name), loaded)])
-        for param_name, shard_id, part in targets:
-            if name not in expected or param_name not in params:
+        try:
+            experts = expert_targets(name, loaded, config) if config.num_experts else None
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r} in {file_name}: {exc}") from exc
+        if experts is not None:  # (covered name, parameter, shard_id, part): a fused tensor covers many
+            targets = experts
+        elif parts:
+            targets = [(name, name, shard_id, RowView(loaded, start, rows)) for shard_id, start, rows in parts]
+        else:
+            targets = [(name, *map_checkpoint_name(name), loaded)]
+        for covered, param_name, shard_id, part in targets:
+            if covered not in expected or param_name not in params:
                 raise ValueError(f"unexpected tensor {name!r} in {file_name} for this model config")
             param = params[param_name]
             try:
@@ -126,7 +143,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                 param.weight_loader(param, part, shard_id)
             except ValueError as exc:
                 raise ValueError(f"tensor {name!r} in {file_name}: {exc}") from exc
-        seen.add(name)
+            seen.add(covered)
     missing = sorted(expected - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")

@@ -162,6 +162,9 @@ def tiny_hf_config(architecture: str, vocab_size: int, tokenizer_dir: Optional[s
     ``Phi3ForCausalLM``           longrope (original context 16), partial rotary 0.75
     ``Gemma2ForCausalLM``         attention and final-logit soft-caps, sliding layer 0
     ``Gemma3ForCausalLM``         q/k norms, local base 10 000 / global base 1e6 with linear x2
+    ``Qwen3MoeForCausalLM``       3 layers: 8 experts of 48, top-2 not renormalised, layer 1 dense
+                                  (``mlp_only_layers``); q/k norms, untied head
+    ``MixtralForCausalLM``        8 experts of 96, top-2 renormalised, sliding window on every layer
     ============================  ===========================================================
     """
     import transformers
@@ -182,6 +185,11 @@ def tiny_hf_config(architecture: str, vocab_size: int, tokenizer_dir: Optional[s
                              "short_factor": [1.0 + 0.1 * i for i in range(rotary // 2)],
                              "long_factor": [2.0 + 0.5 * i for i in range(rotary // 2)],
                              "original_max_position_embeddings": 16})),
+        "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(
+            num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
+        "MixtralForCausalLM": ("MixtralConfig", dict(
+            num_local_experts=8, num_experts_per_tok=2, sliding_window=TINY_SLIDING_WINDOW, tie_word_embeddings=False)),
         "Gemma2ForCausalLM": ("Gemma2Config", dict(gemma, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
         "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
             gemma, layer_types=["sliding_attention", "full_attention"],
