@@ -31,6 +31,7 @@ from tpguide.engine.intake import Intake, tokenize_prompt
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.outputs import failed_output, request_output
 from tpguide.engine.planner import PlannedStep, planned_step_of
+from tpguide.engine.receipt import ReceiptContext, build_receipt, request_line
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_faults import contained, inject_fault
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
@@ -102,6 +103,8 @@ class Driver:
         self._unreported: deque = deque()  # finished outside a step (admission errors, aborts)
         self._aborts: List[str] = []
         self.intake = Intake(tokenizer, config, self.kv, reasoning)
+        #: the constant part of every receipt (set by :func:`~tpguide.engine.startup.build_engine`); None: no receipts
+        self.receipts: Optional[ReceiptContext] = None
 
     @property
     def stop_token_ids(self) -> Set[int]:
@@ -307,6 +310,9 @@ class Driver:
         out = None
         with contained(req, "output"):
             out = request_output(req, self.tokenizer, self.reasoning)
+            if out.finished and self.receipts is not None and (req.prompt is not None or req.messages is not None):
+                out.request = request_line(req)  # a line that failed to parse has no request to replay
+                out.receipt = build_receipt(req, out, self.receipts, self.reasoning)
         if out is None or out.finish_reason != req.finish_reason:  # it raised (or a fault came after it)
             return failed_output(req)
         return out

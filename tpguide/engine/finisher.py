@@ -128,7 +128,13 @@ class StepFinisher:
         (:mod:`tpguide.guided.decoder`), so nothing is rolled back here.
         """
         record = guided.record(req.slot) if guided is not None else None
-        verdict = self.spec.verify(drafts, result.token_ids, first_row, forced=record is not None and record.forced)
+        forced = record is not None and record.forced
+        verdict = self.spec.verify(drafts, result.token_ids, first_row, forced=forced)
+        req.num_draft_tokens += len(drafts)  # the receipt's counters (tpguide/engine/receipt.py)
+        req.num_accepted_draft_tokens += verdict.num_accepted
+        if forced:
+            req.num_grammar_draft_tokens += len(drafts)
+            req.num_accepted_grammar_draft_tokens += verdict.num_accepted
         req.num_computed_tokens -= len(drafts) - verdict.num_accepted  # rejected positions: overwritten later
         for token, row in zip(verdict.token_ids, verdict.rows):
             if result.bad_rows[row]:

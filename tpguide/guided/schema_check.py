@@ -57,7 +57,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 #: seconds the last-line check of a regex output may take (fail closed past it: the request errors)
 REGEX_CHECK_TIMEOUT_S = 2.0
@@ -260,6 +260,23 @@ class _Search:
         return True
 
 
+def finite_instance_problems(schema: Any) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """Why no finite JSON value satisfies ``schema``: ``(cycles, contradictions)``, both empty when one does.
+
+    ``cycles``: the ``$ref`` chains that close a cycle with no base case
+    (e.g. ``#/$defs/a -> #/$defs/a``); ``contradictions``: ``(JSON pointer of
+    the schema node, reason)`` of each forced value no value satisfies, the
+    root's pointer written ``/``.  The one search behind
+    :func:`check_schema_has_finite_instance` and the guide check
+    (:mod:`tpguide.guided.guide_check`).
+    """
+    search = _Search(schema)
+    if search.productive(schema, frozenset({"#"}), ("#",)):
+        return [], []
+    contradictions = [tuple(c.split(": ", 1)) for c in dict.fromkeys(search.contradictions)]
+    return list(dict.fromkeys(search.cycles)), contradictions
+
+
 def check_schema_has_finite_instance(schema: Any) -> None:
     """Raise ``ValueError`` if no finite JSON value can satisfy ``schema``.
 
@@ -276,14 +293,14 @@ def check_schema_has_finite_instance(schema: Any) -> None:
         or a contradiction (the message gives its JSON pointer into the
         schema and the reason, e.g. ``/anyOf: anyOf is an empty list``).
     """
-    search = _Search(schema)
-    if search.productive(schema, frozenset({"#"}), ("#",)):
+    cycles, contradictions = finite_instance_problems(schema)
+    if not cycles and not contradictions:
         return
     parts = []
-    if search.cycles:
-        parts.append(f"$ref cycle with no base case ({'; '.join(dict.fromkeys(search.cycles))})")
-    if search.contradictions:
-        parts.append(f"unsatisfiable at {'; '.join(dict.fromkeys(search.contradictions))}")
+    if cycles:
+        parts.append(f"$ref cycle with no base case ({'; '.join(cycles)})")
+    if contradictions:
+        parts.append(f"unsatisfiable at {'; '.join(f'{p}: {why}' for p, why in contradictions)}")
     raise ValueError(f"json schema has no finite instance: {'; '.join(parts)}")
 
 

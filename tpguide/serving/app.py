@@ -23,6 +23,7 @@ from tpguide.serving.engine_loop import EngineDead, EngineLoop
 from tpguide.serving.errors import APIError, bad_request
 from tpguide.serving.metrics import ServerMetrics
 from tpguide.serving.protocol import ParsedRequest, parse_request
+from tpguide.serving.receipts import check_guides, receipt_of, wants_receipt
 from tpguide.serving.responses import TokenText, build_answer, error_of, usage
 from tpguide.serving.sse import DONE, ChoiceStream, chunk, sse_event
 from tpguide.serving.tool_formats import ToolSetup, hermes
@@ -53,6 +54,11 @@ class ServerState:
     shutting_down : bool
         Set on SIGINT / SIGTERM before the engine loop aborts the running
         requests: their answers are then 503 "shutting down", not 499.
+    return_receipts : bool
+        ``--return-receipts``: every answer carries its receipts, asked or not (docs/receipts.md).
+    guide_check : callable, optional
+        ``structured_output -> report`` for ``POST /v1/guides/check``
+        (:func:`tpguide.serving.server.make_guide_check`); None: 503 until set.
     """
 
     loop: EngineLoop
@@ -70,6 +76,8 @@ class ServerState:
     precompile: Optional[Callable[[Dict[str, Any]], None]] = None
     retry_after_s: int = 1
     shutting_down: bool = False
+    return_receipts: bool = False
+    guide_check: Optional[Callable[[Any], Dict[str, Any]]] = None
     _index: Any = field(default_factory=itertools.count)
 
 
@@ -123,7 +131,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def _handle(request: Request, endpoint: str):
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         try:
-            parsed = parse_request(await _body(request), endpoint, rid, state.guided_backend, state.tool_format)
+            body = await _body(request)
+            parsed = parse_request(body, endpoint, rid, state.guided_backend, state.tool_format)
+            with_receipts = wants_receipt(body, state.return_receipts)
         except APIError as err:
             state.metrics.failed.labels(error_kind="invalid_request").inc()
             raise err
@@ -161,10 +171,11 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         ids = [r.request_id for r in reqs]
         if parsed.stream:
-            return await _stream(request, parsed, rid, ids, q)
-        return await _collect(request, parsed, rid, ids, q)
+            return await _stream(request, parsed, rid, ids, q, with_receipts)
+        return await _collect(request, parsed, rid, ids, q, with_receipts)
 
-    async def _collect(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue):
+    async def _collect(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue,
+                       with_receipts: bool = False):
         finals: Dict[str, Any] = {}
         watcher = asyncio.create_task(_abort_on_disconnect(request, state.loop, ids))
         try:
@@ -184,9 +195,14 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             watcher.cancel()
             state.loop.abort([i for i in ids if i not in finals])
-        return build_answer(parsed, rid, [finals[i] for i in ids], token_text)
+        answer = build_answer(parsed, rid, [finals[i] for i in ids], token_text)
+        if with_receipts:  # docs/receipts.md
+            for choice, i in zip(answer["choices"], ids):
+                choice["receipt"] = receipt_of(finals[i], parsed.tools)
+        return answer
 
-    async def _stream(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue):
+    async def _stream(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue,
+                      with_receipts: bool = False):
         watcher = asyncio.create_task(_abort_on_disconnect(request, state.loop, ids))
         try:
             first = await q.get()
@@ -219,7 +235,10 @@ def create_app(state: ServerState) -> FastAPI:
                         yield sse_event(error_of(item).to_json())
                         finals[item.request_id] = item
                         break
-                    for entry in streams[order[item.request_id]].on_output(item):  # one choice per chunk
+                    entries = streams[order[item.request_id]].on_output(item)
+                    if item.finished and with_receipts and entries:  # the choice's last chunk: its receipt
+                        entries[-1]["receipt"] = receipt_of(item, parsed.tools)
+                    for entry in entries:  # one choice per chunk
                         yield sse_event(chunk(parsed, rid, created, [entry]))
                     if item.finished:
                         finals[item.request_id] = item
@@ -243,6 +262,19 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _handle(request, "completion")
+
+    @app.post("/v1/guides/check")
+    async def guides_check(request: Request):
+        """Admit guides as generation would, without generating (docs/receipts.md "The guide check")."""
+        if state.guide_check is None:
+            raise APIError(503, "the guide check is not ready yet (the grammar backend is being built)",
+                           "server_error", code="not_ready", headers={"Retry-After": str(state.retry_after_s)})
+        body = await _body(request)
+
+        def parse(chat_body):
+            return parse_request(chat_body, "chat", "guide-check", state.guided_backend, state.tool_format)
+
+        return await asyncio.to_thread(check_guides, body, state.guide_check, parse)
 
     return app
 

@@ -47,6 +47,23 @@ def make_precompile(engine, metrics: ServerMetrics):
     return precompile
 
 
+def make_guide_check(engine, config):
+    """``check(structured_output) -> report`` for ``POST /v1/guides/check``: the engine's own admission.
+
+    :func:`tpguide.guided.guide_check.check_guide` on the engine's backend
+    (the one generation admits with; its compile cache is shared, so a checked
+    guide is compiled when a request uses it).
+    """
+    from tpguide.guided.guide_check import check_guide
+
+    backend = engine.guided_backend()
+
+    def check(structured_output):
+        return check_guide(backend, structured_output, config.json_whitespace)
+
+    return check
+
+
 def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
                       max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
                       tool_format: ToolSetup, channels: Optional[Dict[int, Any]] = None, tp_size: int = 1,
