@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import platform
 import struct
 import subprocess
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ def engine_section(config, tp_size: int, device: torch.device, dp_size: int = 1)
         isa = kernel_isa()
     return {
         "tpguide": tpguide.__version__, "commit": git_commit(), "torch": torch.__version__,
+        "libc": " ".join(platform.libc_ver()).strip() or None,  # expf / tanhf come from it (docs/exactness.md)
         "dtype": dtype, "tp_invariant": config.tp_invariant,
         "exactness_class": exactness_class(device, config.dtype, config.tp_invariant, tp_size, isa=isa),
         "guided_backend": config.guided_backend, "json_whitespace": config.json_whitespace,

@@ -11,8 +11,9 @@ reports, from the same keyword walk admission uses
 
 * each reason with a JSON Pointer into the schema and the keyword;
 * which keyword uses the grammar enforces, which are checked only after
-  generation (``"strict": false``), which are refused, and which are
-  annotations that constrain nothing;
+  generation (``"strict": false``), which are refused, which are
+  annotations, and which are unknown to every validator (a typo such as
+  ``propertieC``: it constrains nothing);
 * the backend that runs it (what ``auto`` chooses), the compile time, and the
   guide hash a receipt carries (:func:`~tpguide.guided.guide_hash.guide_hash`).
 """
@@ -28,7 +29,7 @@ from tpguide.guided.admission import admit, schema_keywords, unenforced_keywords
 from tpguide.guided.guide_hash import guide_hash
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.schema_check import finite_instance_problems
+from tpguide.guided.schema_check import finite_instance_problems, json_pointer_get
 
 __all__ = ["ANNOTATIONS", "VALIDATION_KEYWORDS", "check_guide"]
 
@@ -48,25 +49,8 @@ VALIDATION_KEYWORDS = frozenset({
 _WORD = re.compile(r"[A-Za-z$][A-Za-z0-9$]*")
 
 
-def _unescape(part: str) -> str:
-    return part.replace("~1", "/").replace("~0", "~")
-
-
 def _last_keyword(pointer: str) -> Optional[str]:
-    return _unescape(pointer.rsplit("/", 1)[-1]) if pointer else None
-
-
-def _node_at(schema: Any, pointer: str) -> Any:
-    node = schema
-    for part in [p for p in pointer.split("/")[1:]]:
-        part = _unescape(part)
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
+    return pointer.rsplit("/", 1)[-1].replace("~1", "/").replace("~0", "~") if pointer else None
 
 
 def _closing_ref(schema: Any, chain: str) -> str:
@@ -87,7 +71,7 @@ def _unsatisfiable_reasons(schema: Any) -> List[Dict[str, Any]]:
                 "message": f"$ref cycle with no base case ({chain})"} for chain in cycles]
     for node_pointer, why in contradictions:
         node_pointer = "" if node_pointer == "/" else node_pointer
-        node = _node_at(schema, node_pointer)
+        node = json_pointer_get(schema, node_pointer)
         word = _WORD.match(why)
         keyword = word.group(0) if word and isinstance(node, dict) and word.group(0) in node else None
         pointer = f"{node_pointer}/{keyword}" if keyword else node_pointer

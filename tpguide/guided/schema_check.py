@@ -179,6 +179,22 @@ def _child(pointer: str, *parts: Any) -> str:
     return pointer + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+def json_pointer_get(document: Any, pointer: str, default: Any = None) -> Any:
+    """The value at the JSON Pointer ``pointer`` (RFC 6901, ``""`` = the whole document), else ``default``."""
+    if pointer and not pointer.startswith("/"):
+        return default
+    node = document
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return default
+    return node
+
+
 class _Search:
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -191,16 +207,7 @@ class _Search:
         """The sub-schema of a local ``#/a/b`` pointer, else None (unknown: assumed productive)."""
         if not ref.startswith("#"):
             return None
-        node = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+        return json_pointer_get(self.root, ref[1:])
 
     def productive(self, schema: Any, path: FrozenSet[str], chain: tuple, pointer: str = "") -> bool:
         self.visits += 1
