@@ -129,8 +129,8 @@ def report(outputs, requests, group, wall_s: float, fresh) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.check_guides:  # no engine, no ranks: the tokenizer and the grammar backend only
-        return check_guides(args)
+    if args.check_guides:  # no engine, no collectives: the tokenizer and the grammar backend, on one process
+        return check_guides(args) if os.environ.get("RANK", "0") == "0" else 0
     config = engine_config_from_args(args)
     group = init_tp_group(timeout_s=args.collective_timeout, data_parallel_size=args.data_parallel_size,
                           tensor_parallel_size=args.tensor_parallel_size)

@@ -141,3 +141,26 @@ def schema_template(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir).chat_template
+
+
+def test_replay_cli_one_request_at_a_time(outputs, tiny_model_path, tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+    import replay
+
+    lines = [outputs[r["id"]] for r in REQUESTS]
+    flipped = json.loads(json.dumps(lines[0]))
+    flipped["id"] = flipped["request"]["id"] = "schema-flipped"
+    flipped["logprobs"][2]["logprob"] = math.nextafter(flipped["logprobs"][2]["logprob"], 0.0)  # one bit
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines + [flipped]))
+    status = replay.main([str(path), "--model", tiny_model_path, "--batch", "one", "--max-num-batched-tokens", "64"])
+    printed = capsys.readouterr().out
+    assert status == 1 and "3 of 4 requests identical at tp 1, batch one" in printed
+    assert all(f"{r['id']}: identical" in printed for r in REQUESTS)
+    token = flipped["token_ids"][2]
+    assert f"schema-flipped: differs at position 2: recorded token {token}" in printed and f"replayed token {token}" in printed
+    (path.parent / "bad.jsonl").write_text("{not json\n")
+    assert replay.main([str(path.parent / "bad.jsonl"), "--model", tiny_model_path]) == 2
