@@ -164,3 +164,22 @@ def test_replay_cli_one_request_at_a_time(outputs, tiny_model_path, tmp_path, ca
     assert f"schema-flipped: differs at position 2: recorded token {token}" in printed and f"replayed token {token}" in printed
     (path.parent / "bad.jsonl").write_text("{not json\n")
     assert replay.main([str(path.parent / "bad.jsonl"), "--model", tiny_model_path]) == 2
+
+
+def test_reasoning_tokens_are_counted_apart_from_the_masked_answer(reasoning_model_path):
+    from reasoning_testing import THINK_END_ID, reasoning_requests
+
+    lines = [r for r in reasoning_requests() if r["id"] in ("no-thinking", "unguided")
+             or r["id"].startswith(("json-8-", "choice-1-"))]
+    outs = generate_on_group(TPGroup(), reasoning_model_path, lines, EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, max_model_len=96, reasoning_parser="qwen3"))
+    assert len(outs) == 4 and sum(THINK_END_ID in o["token_ids"] for o in outs) >= 2
+    for line, out in zip(lines, outs):
+        enforcement, ids = out["receipt"]["enforcement"], out["token_ids"]
+        thought = ids.index(THINK_END_ID) + 1 if line["id"] != "no-thinking" and THINK_END_ID in ids else 0
+        if line["id"] != "no-thinking" and THINK_END_ID not in ids:
+            thought = len(ids)  # still thinking at the end: nothing was constrained
+        assert enforcement["reasoning_tokens"] == thought, (line["id"], ids)
+        guided = "structured_output" in line
+        assert enforcement["masked_tokens"] == (len(ids) - thought if guided else 0), line["id"]
+        assert out["receipt"]["engine"]["reasoning_parser"] == "qwen3"
