@@ -85,7 +85,7 @@ def check_guides(args) -> int:
         from tpguide.engine.demo_requests import DEMO_REQUESTS
 
         lines = [json.dumps(r) for r in DEMO_REQUESTS]
-    reports = check_request_lines(lines, backend, args.json_whitespace)
+    reports = check_request_lines(lines, backend, args.json_whitespace, args.grammar_compile_timeout)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reports)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

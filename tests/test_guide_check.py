@@ -41,14 +41,20 @@ def _guides():
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_path):
+def backend(tiny_model_path):
+    """``--check-guides``' backend under ``auto`` (its own: no admission shared with generation's)."""
+    return guide_backend(tiny_model_path, "auto", "bounded")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_path, backend):
     """``(guides, {id: generation's output line}, {id: the guide check's report})``."""
     guides = _guides()
     lines = [{"id": rid, "prompt": "x", "max_tokens": 1, "structured_output": guide} for rid, guide in guides.items()]
     generated = {o["id"]: o for o in generate_on_group(
         TPGroup(), tiny_model_path, lines, EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=32))}
-    backend = guide_backend(tiny_model_path, "auto", "bounded")
-    checked = {r["id"]: r for r in check_request_lines([json.dumps(line) for line in lines], backend, "bounded")}
+    checked = {r["id"]: r for r in check_request_lines([json.dumps(line) for line in lines], backend, "bounded",
+                                                       compile_timeout_s=60.0)}
     return guides, generated, checked
 
 
@@ -87,10 +93,24 @@ def test_reasons_name_the_keyword_and_its_pointer(runs):
     assert good["enforced"] == ["/type", "/properties", "/properties/ok/type", "/required"] and not good["refused"]
 
 
-def test_best_effort_lists_what_is_checked_after_generation(runs, tiny_model_path):
-    backend = guide_backend(tiny_model_path, "xgrammar", "bounded")
+def test_best_effort_lists_what_is_checked_after_generation(backend):
+    xgrammar = backend.backends["xgrammar"]
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    strict, best = check_guide(backend, {"json": schema}), check_guide(backend, {"json": schema, "strict": False})
+    strict, best = check_guide(xgrammar, {"json": schema}), check_guide(xgrammar, {"json": schema, "strict": False})
     assert not strict["admitted"] and strict["keywords"]["xgrammar"]["refused"] == ["/uniqueItems"]
     assert best["admitted"] and best["keywords"]["xgrammar"]["checked_after_generation"] == ["/uniqueItems"]
     assert strict["guide_hash"] == best["guide_hash"] and best["compile_time_s"] >= 0
+
+
+def test_a_guide_slower_than_the_compile_timeout_is_refused_with_generations_message(backend, monkeypatch):
+    import time
+
+    from tpguide.guided import guide_check
+    from tpguide.guided.compile_service import CompileService
+
+    real = guide_check.admit
+    monkeypatch.setattr(guide_check, "admit", lambda *args: time.sleep(0.3) or real(*args))
+    report = check_guide(backend, {"regex": "[0-9]{3}"}, compiles=CompileService(0.05))
+    assert not report["admitted"] and report["error"] == (
+        "grammar compilation took longer than the limit of 0.05 s (--grammar-compile-timeout); "
+        "the request was not started")

@@ -12,7 +12,7 @@ alone; :func:`check_request_lines` runs
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional
 
 from tpguide.guided.guide_check import check_guide
 
@@ -40,12 +40,18 @@ def guide_backend(model_dir: str, guided_backend: str, json_whitespace: str):
     return make_backend(guided_backend, tokenizer, padded, stop_ids, json_whitespace=json_whitespace)
 
 
-def check_request_lines(lines: Iterable[str], backend, json_whitespace: str) -> List[Dict[str, Any]]:
+def check_request_lines(lines: Iterable[str], backend, json_whitespace: str,
+                        compile_timeout_s: Optional[float] = None) -> List[Dict[str, Any]]:
     """One report per non-blank request line: ``{"id", "guided", **check_guide's report}``.
+
+    ``compile_timeout_s``: ``--grammar-compile-timeout`` (a guide slower to admit is refused, as in generation).
 
     A line without ``structured_output`` reports ``"guided": false`` (nothing
     to admit); a line that is not a JSON object reports the parse error.
     """
+    from tpguide.guided.compile_service import CompileService
+
+    compiles = CompileService(compile_timeout_s) if compile_timeout_s is not None else None
     reports: List[Dict[str, Any]] = []
     for number, text in enumerate(lines, start=1):
         if not text.strip():
@@ -61,5 +67,5 @@ def check_request_lines(lines: Iterable[str], backend, json_whitespace: str) -> 
         if guide is None:
             reports.append({"id": rid, "guided": False})
             continue
-        reports.append({"id": rid, "guided": True, **check_guide(backend, guide, json_whitespace)})
+        reports.append({"id": rid, "guided": True, **check_guide(backend, guide, json_whitespace, compiles)})
     return reports

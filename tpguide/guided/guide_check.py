@@ -20,12 +20,14 @@ reports, from the same keyword walk admission uses
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
 from typing import Any, Dict, List, Optional
 
 from tpguide.guided.admission import admit, schema_keywords, unenforced_keywords
+from tpguide.guided.compile_service import CompileService
 from tpguide.guided.guide_hash import guide_hash
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
@@ -46,6 +48,7 @@ VALIDATION_KEYWORDS = frozenset({
     "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then",
     "else", "dependentSchemas", "dependencies", "$ref", "$dynamicRef", "$recursiveRef", "$anchor",
     "$dynamicAnchor", "$recursiveAnchor", "$vocabulary", "contentEncoding", "contentMediaType", "contentSchema"})
+_KEYS = itertools.count()
 _WORD = re.compile(r"[A-Za-z$][A-Za-z0-9$]*")
 
 
@@ -106,7 +109,23 @@ def _schema_of(params: StructuredOutputsParams) -> Optional[Any]:
     return None
 
 
-def check_guide(backend: GuidedBackend, structured_output: Any, default_json_whitespace: str = "bounded") -> Dict[str, Any]:
+def _admit(backend: GuidedBackend, params: StructuredOutputsParams, compiles: Optional[CompileService]):
+    """:func:`admit`, in ``compiles``' worker under its timeout when given (generation's limit and message)."""
+    if compiles is None:
+        return admit(backend, params)
+    key = next(_KEYS)
+    compiles.submit(key, lambda: admit(backend, params))
+    while True:
+        for done_key, result, error in compiles.collect():
+            assert done_key == key, f"a guide check collected another job's result: {done_key!r}"
+            if error is not None:
+                raise error
+            return result
+        compiles.wait()
+
+
+def check_guide(backend: GuidedBackend, structured_output: Any, default_json_whitespace: str = "bounded",
+                compiles: Optional[CompileService] = None) -> Dict[str, Any]:
     """Admit ``structured_output`` as generation would, and report why (see the module docstring).
 
     Parameters
@@ -119,6 +138,10 @@ def check_guide(backend: GuidedBackend, structured_output: Any, default_json_whi
         ``response_format`` / ``tools`` turned into one by its protocol).
     default_json_whitespace : str
         The engine's ``--json-whitespace`` (reported for JSON guides).
+    compiles : CompileService, optional
+        Admission runs in its worker under its timeout (``--grammar-compile-timeout``),
+        as generation's does, so a guide too slow to compile is refused here too with
+        generation's message.  One caller at a time (its results are collected here).
 
     Returns
     -------
@@ -154,7 +177,7 @@ def check_guide(backend: GuidedBackend, structured_output: Any, default_json_whi
                   json_whitespace=params.json_whitespace_or(default_json_whitespace))
     start = time.perf_counter()
     try:
-        chosen, _ = admit(backend, params)
+        chosen, _ = _admit(backend, params, compiles)
     except ValueError as exc:  # GuideRefused or a compile error: generation's message, word for word
         report["compile_time_s"] = time.perf_counter() - start
         report["error"] = str(exc)

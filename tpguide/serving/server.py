@@ -52,14 +52,18 @@ def make_guide_check(engine, config):
 
     :func:`tpguide.guided.guide_check.check_guide` on the engine's backend
     (the one generation admits with; its compile cache is shared, so a checked
-    guide is compiled when a request uses it).
+    guide is compiled when a request uses it), under ``--grammar-compile-timeout``.
     """
+    from tpguide.guided.compile_service import CompileService
     from tpguide.guided.guide_check import check_guide
 
     backend = engine.guided_backend()
+    compiles = CompileService(config.grammar_compile_timeout_s)  # generation's limit, and its message
+    one_at_a_time = threading.Lock()  # a compile service hands every finished job to whoever collects
 
     def check(structured_output):
-        return check_guide(backend, structured_output, config.json_whitespace)
+        with one_at_a_time:
+            return check_guide(backend, structured_output, config.json_whitespace, compiles)
 
     return check
 
