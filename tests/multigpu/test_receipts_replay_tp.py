@@ -1,8 +1,9 @@
 """Receipts and replay on real gloo ranks (docs/receipts.md): a tp-1 output file proved at tp 2 in another batch order.
 
 * tp 1 and tp 2 receipts differ only in the fields marked as not affecting the bits;
-* ``replay_lines`` of the tp-1 file at tp 2 in a shuffled order reports every request identical, and a
-  copy with one hand-altered token id differs at that position with both token ids;
+* ``replay_lines`` of the tp-1 file at tp 2 in a shuffled order, and at tp 4 one request at a time,
+  reports every request identical, and a copy with one hand-altered token id differs at that position
+  with both token ids;
 * a replay on another model (another random seed) is refused, naming both fingerprints.
 """
 
@@ -76,3 +77,8 @@ def test_replay_on_another_model_is_refused_naming_both_fingerprints(recorded, t
     assert refusal.startswith("model.sha256 differs") and recorded_fp in refusal and report["results"] == []
     here = refusal.split("here ")[1].strip("'")
     assert here.startswith("sha256:") and here != recorded_fp
+
+
+def test_replay_at_tp4_one_request_at_a_time_is_identical(recorded, tiny_model_path):
+    report = replay_lines(recorded, tiny_model_path, tp_size=4, batch="one", max_num_batched_tokens=32)
+    assert report["refused"] is None and [r["identical"] for r in report["results"]] == [True] * len(recorded)
