@@ -63,7 +63,9 @@ def test_exactness_class_table():
     for isa in ("default", "avx2", "avx512"):
         assert cpu_exactness_class(isa, torch.bfloat16) == "cpu-fixed-order"
     assert cpu_exactness_class("amx", torch.bfloat16) == "cpu-amx"
-    assert cpu_exactness_class("avx512bf16", torch.bfloat16) == "cpu-avx512bf16"  # an ISA not declared: its own
+    assert cpu_exactness_class("avx512_bf16", torch.bfloat16) == "cpu-avx512bf16"
+    assert cpu_exactness_class("avx512_bf16", torch.float32) == "cpu-fixed-order"
+    assert cpu_exactness_class("avx10", torch.float32) == "cpu-avx10"  # an ISA not declared: a class of its own
     cpu = torch.device("cpu")
     assert exactness_class(cpu, torch.float32, False, 2) == "cpu-not-invariant-tp2"
     assert exactness_class(cpu, torch.float32, True, 2, isa="avx2", triton_forced=False) == "cpu-fixed-order"

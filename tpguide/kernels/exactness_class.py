@@ -13,12 +13,15 @@ state):
 ================================  ==========================================
 ISA (dtype)                       class
 ================================  ==========================================
-default, avx2, avx512 (any)       ``cpu-fixed-order``: fmaf chains, the same
+default, avx2, avx512 (any dtype) ``cpu-fixed-order``: fmaf chains, the same
                                   bits on every x86-64 CPU (the vector code
                                   repeats the scalar IEEE operations)
 amx (fp32)                        ``cpu-fixed-order`` (AVX-512 fmaf chains)
 amx (bf16)                        ``cpu-amx``: one ``TDPBF16PS`` per k tile,
                                   the hardware's order inside a tile
+avx512_bf16 (fp32)                ``cpu-fixed-order``
+avx512_bf16 (bf16)                ``cpu-avx512bf16``: ``VDPBF16PS``'s own pair
+                                  order (where the kernels build that tile)
 an ISA not in these tables        ``cpu-<isa>``: a class of its own until it
                                   is shown to equal another
 ================================  ==========================================
@@ -43,10 +46,12 @@ import torch
 
 __all__ = ["FMA_CHAIN_ISAS", "TILE_CLASSES", "cpu_exactness_class", "exactness_class"]
 
-#: Kernel ISAs whose every dtype runs the portable code's fmaf chains (the same bits).
-FMA_CHAIN_ISAS = frozenset({"default", "avx2", "avx512", "amx"})
-#: ``(isa, dtype name) -> class`` where a hardware tile fixes its own order of additions.
-TILE_CLASSES: Dict[Tuple[str, str], str] = {("amx", "bfloat16"): "cpu-amx"}
+#: Kernel ISAs whose every dtype runs the portable code's fmaf chains (the same bits), apart from
+#: the pairs of :data:`TILE_CLASSES`.
+FMA_CHAIN_ISAS = frozenset({"default", "avx2", "avx512", "avx512_bf16", "amx"})
+#: ``(isa, dtype name) -> class`` where an instruction fixes its own order of additions.
+TILE_CLASSES: Dict[Tuple[str, str], str] = {("amx", "bfloat16"): "cpu-amx",
+                                            ("avx512_bf16", "bfloat16"): "cpu-avx512bf16"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
