@@ -29,7 +29,7 @@ CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"
 
 def _guides():
     guides = {"good": {"json": GOOD}, "typo": {"json": TYPO}, "cycle": {"json": CYCLE},
-              "lookaround": {"regex": "(?=a)a+"}}
+              "lookaround": {"regex": "(?=a)a+"}, "one-choice": {"choice": ["x"]}}
     guides.update({f"unenforced:{case.key}": {"json": case.schema} for case in XGRAMMAR_UNENFORCED})
     guides.update({f"unsatisfiable:{name}": {"json": schema} for name, (schema, _) in UNSATISFIABLE.items()})
     guides.update({f"empty-first-mask:{name}": guide for name, guide in EMPTY_FIRST_MASK.items()})
@@ -75,7 +75,7 @@ def test_the_check_refuses_exactly_what_generation_refuses_with_its_reason(runs)
                     assert reason["pointer"].rsplit("/", 1)[-1] == reason["keyword"], (rid, reason)
         else:
             assert report["backend"] == out["guided_backend"] and report["guide_hash"].startswith("sha256:"), rid
-    for rid in ("typo", "cycle", "lookaround", *(r for r in guides if not r.startswith(("good", "bench")))):
+    for rid in ("typo", "cycle", "lookaround", *(r for r in guides if not r.startswith(("good", "bench", "one-")))):
         if rid.startswith("unenforced:"):
             continue  # auto may run an unenforced xgrammar keyword on llguidance
         assert not checked[rid]["admitted"], rid
@@ -114,3 +114,24 @@ def test_a_guide_slower_than_the_compile_timeout_is_refused_with_generations_mes
     assert not report["admitted"] and report["error"] == (
         "grammar compilation took longer than the limit of 0.05 s (--grammar-compile-timeout); "
         "the request was not started")
+
+
+def test_forced_tokens_in_receipts_equal_a_matcher_walk(runs, backend):
+    """The first output token of each admitted guide counts as forced iff a fresh matcher's mask allows one id."""
+    from tpguide.guided.admission import admit
+    from tpguide.guided.bitmask import allocate_token_bitmask, single_allowed_token
+    from tpguide.guided.params import StructuredOutputsParams
+
+    guides, generated, _ = runs
+    forced = 0
+    for rid, out in generated.items():
+        if not out["token_ids"]:
+            continue
+        _, compiled = admit(backend, StructuredOutputsParams.from_request(guides[rid]))
+        row = allocate_token_bitmask(1, backend.padded_vocab_size)
+        backend.matcher(compiled).fill_next_token_bitmask(row, 0)
+        single = single_allowed_token(row[0], backend.padded_vocab_size)
+        assert out["receipt"]["enforcement"]["forced_tokens"] == int(single is not None), rid
+        assert single is None or out["token_ids"][0] == single, rid
+        forced += single is not None
+    assert forced >= 1  # the one-choice guide at least

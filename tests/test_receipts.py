@@ -185,3 +185,17 @@ def test_reasoning_tokens_are_counted_apart_from_the_masked_answer(reasoning_mod
         guided = "structured_output" in line
         assert enforcement["masked_tokens"] == (len(ids) - thought if guided else 0), line["id"]
         assert out["receipt"]["engine"]["reasoning_parser"] == "qwen3"
+
+
+def test_single_token_rows_equal_the_one_row_oracle():
+    from tpguide.guided.bitmask import find_single_token_rows, single_allowed_token, token_ids_to_bitmask_row
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 320
+    rows = [[], [0], [31], [32], [63], [319], [5, 6], [31, 32], [0, 319]]
+    rows += [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(1, 3, (20,), generator=gen)]
+    bitmask = torch.stack([token_ids_to_bitmask_row(ids, vocab) for ids in rows])
+    token_mask = torch.ones(len(rows), dtype=torch.int32)
+    token_mask[1] = 0  # an unguided row never counts
+    expected = [i for i, row in enumerate(bitmask) if token_mask[i] and single_allowed_token(row, vocab) is not None]
+    assert find_single_token_rows(bitmask, token_mask) == expected and 2 in expected and 3 in expected

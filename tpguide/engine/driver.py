@@ -21,7 +21,7 @@ the batch goes on.
 from __future__ import annotations
 
 from collections import deque
-from typing import List, NamedTuple, Optional, Sequence, Set
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
@@ -36,6 +36,7 @@ from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_faults import contained, inject_fault
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
+from tpguide.guided.bitmask import find_single_token_rows
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
@@ -48,6 +49,7 @@ class Filled(NamedTuple):
     token_bitmask: torch.Tensor  # int32 [R, bitmask_size]
     token_mask: torch.Tensor  # int32 [R]; 0 on a failed row
     dead_end_rows: List[int]  # a dead end, or a matcher that raised: the request fails in finish_step
+    forced_rows: FrozenSet[int] = frozenset()  # rows that allow one token id (the receipts' forced_tokens)
 
 
 class KVCacheStats(NamedTuple):
@@ -252,7 +254,8 @@ class Driver:
         token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
-        return Filled(token_bitmask, token_mask, list(failed))
+        forced = find_single_token_rows(token_bitmask, token_mask)
+        return Filled(token_bitmask, token_mask, list(failed), frozenset(forced))
 
     @staticmethod
     def bitmask_slices(filled: Filled, tp_size: int) -> BitmaskSlices:
@@ -269,7 +272,8 @@ class Driver:
         (:meth:`~tpguide.engine.engine.Engine.step`).
         """
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else ())
+        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else (),
+                             filled.forced_rows if filled is not None else frozenset())
         outputs = []
         for s in planned.scheduled:
             req = s.request

@@ -243,6 +243,7 @@ def _enforcement(req: Request, out: RequestOutput, ctx: ReceiptContext, reasonin
         "generated_tokens": len(ids),
         "reasoning_tokens": len(ids) - len(answer),  # inside the think block: no guide (docs/reasoning.md)
         "masked_tokens": len(answer) if guided else 0,
+        "forced_tokens": req.num_forced_tokens,  # the mask allowed that one token id
         "post_check": _post_check(req, out),
         "checked_after_generation": (ctx.checked_after_generation(req.structured_output, req.guided_backend)
                                      if guided else []),

@@ -202,6 +202,7 @@ class Request:
     num_accepted_draft_tokens: int = 0
     num_grammar_draft_tokens: int = 0  # of those, the grammar drafter's (forced text, JSON layouts)
     num_accepted_grammar_draft_tokens: int = 0
+    num_forced_tokens: int = 0  # output tokens whose mask allowed that one token id (engine/finisher.py)
 
     @property
     def is_finished(self) -> bool:
