@@ -8,7 +8,9 @@ engine, after a warm-up run, ``--repeats`` pairs of runs interleaved:
 * with receipts (the default): the time spent in the driver's receipt work
   (:func:`~tpguide.engine.receipt.build_receipt` and
   :func:`~tpguide.engine.receipt.request_line`, timed around each call) and
-  its share of the run's generation wall time;
+  its share of the run's generation wall time, and the same for the forced-row
+  count of every bitmask fill (:func:`~tpguide.guided.bitmask.find_single_token_rows`,
+  run whether receipts are on or not, in the fill thread beside the forward);
 * without (``driver.receipts = None``): the wall time, for the side-by-side
   difference (noisy on a shared machine; the timed share is the measure).
 
@@ -58,36 +60,38 @@ def main(argv=None) -> None:
     lines = [json.dumps(d) for d in dicts]
     engine = build_engine(TPGroup(), None, EngineConfig(max_num_seqs=args.rows, max_model_len=2048))
     drv, ctx = engine.driver, engine.driver.receipts
-    spent = [0.0]
+    spent = {"receipts": 0.0, "forced": 0.0}
 
-    def timed(fn):
+    def timed(fn, key):
         def call(*a, **k):
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent[0] += time.perf_counter() - start
+                spent[key] += time.perf_counter() - start
         return call
 
-    driver_module.build_receipt = timed(driver_module.build_receipt)
-    driver_module.request_line = timed(driver_module.request_line)
+    driver_module.build_receipt = timed(driver_module.build_receipt, "receipts")
+    driver_module.request_line = timed(driver_module.request_line, "receipts")
+    driver_module.find_single_token_rows = timed(driver_module.find_single_token_rows, "forced")
     engine.generate(parse_request_lines(lines, args.max_tokens))  # warm-up: compiles, caches
     rows = []
     for _ in range(args.repeats):
         for with_receipts in (True, False):
             drv.receipts = ctx if with_receipts else None
-            spent[0] = 0.0
+            spent.update(receipts=0.0, forced=0.0)
             start = time.perf_counter()
             outs = engine.generate(parse_request_lines(lines, args.max_tokens))
             wall = time.perf_counter() - start
-            rows.append((with_receipts, wall, spent[0], sum(len(o.token_ids) for o in outs)))
+            rows.append((with_receipts, wall, dict(spent), sum(len(o.token_ids) for o in outs)))
     engine.shutdown()
     print(f"{args.rows} fixture requests (JSON schema, greedy, max_tokens {args.max_tokens}, logprobs 1), tp 1, "
           f"{args.threads} threads, {torch.__version__}")
-    for with_receipts, wall, receipt_s, tokens in rows:
-        share = f"receipts {1000 * receipt_s:.1f} ms = {100 * receipt_s / wall:.3f} % of it" if with_receipts else \
-            "no receipts"
-        print(f"  generate {wall:.2f} s, {tokens} tokens; {share}")
+    for with_receipts, wall, s, tokens in rows:
+        share = (f"receipts {1000 * s['receipts']:.1f} ms = {100 * s['receipts'] / wall:.3f} %" if with_receipts
+                 else "no receipts")
+        print(f"  generate {wall:.2f} s, {tokens} tokens; {share}; forced-row counts {1000 * s['forced']:.1f} ms = "
+              f"{100 * s['forced'] / wall:.3f} %")
     on = min(w for r, w, _, _ in rows if r)
     off = min(w for r, w, _, _ in rows if not r)
     print(f"  fastest with / without receipts: {on:.2f} / {off:.2f} s ({100 * (on / off - 1):+.2f} %, noise included)")
