@@ -10,7 +10,15 @@ process, tp_size 1, without ``torch.distributed``.  Without ``--model`` it
 uses the embedded SmolLM2-135M-Instruct; a ``.gguf`` file of a supported
 architecture is converted once to safetensors in the cache, like the embedded model.
 Without ``--requests`` it runs a built-in demo covering every guide type.
-Only the driver (rank 0) reads requests and writes outputs.
+Only the driver (rank 0) reads requests and writes outputs.  Each output
+line carries its ``request`` and its ``receipt`` (docs/receipts.md), so
+``launch/replay.py OUT`` can prove it bit for bit.
+
+``--check-guides`` generates nothing: it admits each request's guide with
+the code generation uses and writes one report per request (admitted or
+refused, the reasons with JSON Pointers, the keywords enforced / checked
+after generation / refused, the backend, the compile time, the guide hash)
+to ``--output`` or stdout; exit status 1 when a guide is refused.
 
 Failures: a bad request line fails that request only (``finish_reason``
 ``"error"``, in its place in the output).  Finished requests are streamed
@@ -60,7 +68,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retry-errors", action="store_true",
                    help="with --resume: rerun requests whose stored line has finish_reason 'error'")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-request report")
+    p.add_argument("--check-guides", action="store_true",
+                   help="generate nothing: admit each request's guide and report why (docs/receipts.md)")
     return p.parse_args(argv)
+
+
+def check_guides(args) -> int:
+    """``--check-guides``: one JSON report line per request; 1 when some guide is refused."""
+    from tpguide.engine.guide_check_offline import check_request_lines, guide_backend
+    from tpguide.model.model_source import resolve_model_dir
+
+    backend = guide_backend(str(resolve_model_dir(args.model)), args.guided_backend, args.json_whitespace)
+    if args.requests:
+        with open(args.requests, encoding="utf-8") as f:
+            lines = f.readlines()
+    else:
+        from tpguide.engine.demo_requests import DEMO_REQUESTS
+
+        lines = [json.dumps(r) for r in DEMO_REQUESTS]
+    reports = check_request_lines(lines, backend, args.json_whitespace, args.grammar_compile_timeout)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reports)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    refused = [r["id"] for r in reports if r.get("guided") is not False and not r.get("admitted")]
+    if not args.quiet:
+        print(f"{len(reports)} requests: {sum(bool(r.get('admitted')) for r in reports)} guides admitted, "
+              f"{len(refused)} refused{' (' + ', '.join(refused[:10]) + ')' if refused else ''}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 def load_requests(args):
@@ -93,6 +130,8 @@ def report(outputs, requests, group, wall_s: float, fresh) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check_guides:  # no engine, no collectives: the tokenizer and the grammar backend, on one process
+        return check_guides(args) if os.environ.get("RANK", "0") == "0" else 0
     config = engine_config_from_args(args)
     group = init_tp_group(timeout_s=args.collective_timeout, data_parallel_size=args.data_parallel_size,
                           tensor_parallel_size=args.tensor_parallel_size)

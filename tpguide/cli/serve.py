@@ -15,7 +15,9 @@ follow its plans.  While idle, rank 0 sends a heartbeat every
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/responses`` (and ``GET /v1/responses/{id}``), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health`` (503 once the engine loop is dead),
-``GET /metrics`` (Prometheus).  See docs/serving.md.  Tool calls are
+``GET /metrics`` (Prometheus), ``POST /v1/guides/check`` (admits guides without
+generating; receipts with ``"return_receipt": true`` or ``--return-receipts``,
+docs/receipts.md).  See docs/serving.md.  Tool calls are
 written in the model's own call format (``--tool-call-parser``, default
 ``auto``; docs/tool-calls.md).
 
@@ -72,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-call-begin", default=None, help="hermes only: tag that opens a tool call (<tool_call>)")
     p.add_argument("--tool-call-end", default=None, help="hermes only: tag that closes a tool call (</tool_call>)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    p.add_argument("--return-receipts", action="store_true",
+                   help="every answer carries each choice's receipt, as with \"return_receipt\": true "
+                        "(docs/receipts.md)")
     add_engine_flags(p, default_max_new_tokens=256)
     return p.parse_args(argv)
 
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
         return _serve_replica(engine, group, channels[0], heartbeat)
     import uvicorn
 
-    from tpguide.serving.server import exit_when_engine_dies, make_precompile, make_server_state
+    from tpguide.serving.server import exit_when_engine_dies, make_guide_check, make_precompile, make_server_state
     from tpguide.serving.tool_formats import choose_tool_format
 
     state = make_server_state(engine, config, served_model_name=_served_name(args), api_key=args.api_key,
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
 
     state.loop.start()  # heartbeats from now on
     state.precompile = make_precompile(engine, state.metrics)
+    state.guide_check = make_guide_check(engine, config)  # POST /v1/guides/check (docs/receipts.md)
+    state.return_receipts = args.return_receipts
     class AbortFirstServer(uvicorn.Server):
         """On the first SIGINT / SIGTERM the engine loop aborts the running requests and stops
         before uvicorn's graceful shutdown ends: their clients get answers (``finish_reason``

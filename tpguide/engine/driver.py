@@ -21,7 +21,7 @@ the batch goes on.
 from __future__ import annotations
 
 from collections import deque
-from typing import List, NamedTuple, Optional, Sequence, Set
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
@@ -31,10 +31,12 @@ from tpguide.engine.intake import Intake, tokenize_prompt
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.outputs import failed_output, request_output
 from tpguide.engine.planner import PlannedStep, planned_step_of
+from tpguide.engine.receipt import ReceiptContext, build_receipt, request_line
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_faults import contained, inject_fault
 from tpguide.engine.scheduler import ScheduledRequest, Scheduler
 from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
+from tpguide.guided.bitmask import find_single_token_rows
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
 from tpguide.speculative.verify import Speculator
@@ -47,6 +49,7 @@ class Filled(NamedTuple):
     token_bitmask: torch.Tensor  # int32 [R, bitmask_size]
     token_mask: torch.Tensor  # int32 [R]; 0 on a failed row
     dead_end_rows: List[int]  # a dead end, or a matcher that raised: the request fails in finish_step
+    forced_rows: FrozenSet[int] = frozenset()  # rows that allow one token id (the receipts' forced_tokens)
 
 
 class KVCacheStats(NamedTuple):
@@ -102,6 +105,8 @@ class Driver:
         self._unreported: deque = deque()  # finished outside a step (admission errors, aborts)
         self._aborts: List[str] = []
         self.intake = Intake(tokenizer, config, self.kv, reasoning)
+        #: the constant part of every receipt (set by :func:`~tpguide.engine.startup.build_engine`); None: no receipts
+        self.receipts: Optional[ReceiptContext] = None
 
     @property
     def stop_token_ids(self) -> Set[int]:
@@ -249,7 +254,8 @@ class Driver:
         token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
-        return Filled(token_bitmask, token_mask, list(failed))
+        forced = find_single_token_rows(token_bitmask, token_mask)
+        return Filled(token_bitmask, token_mask, list(failed), frozenset(forced))
 
     @staticmethod
     def bitmask_slices(filled: Filled, tp_size: int) -> BitmaskSlices:
@@ -266,7 +272,8 @@ class Driver:
         (:meth:`~tpguide.engine.engine.Engine.step`).
         """
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else ())
+        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else (),
+                             filled.forced_rows if filled is not None else frozenset())
         outputs = []
         for s in planned.scheduled:
             req = s.request
@@ -307,6 +314,9 @@ class Driver:
         out = None
         with contained(req, "output"):
             out = request_output(req, self.tokenizer, self.reasoning)
+            if out.finished and self.receipts is not None and (req.prompt is not None or req.messages is not None):
+                out.request = request_line(req)  # a line that failed to parse has no request to replay
+                out.receipt = build_receipt(req, out, self.receipts, self.reasoning)
         if out is None or out.finish_reason != req.finish_reason:  # it raised (or a fault came after it)
             return failed_output(req)
         return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Optional, Sequence, Set
+from typing import AbstractSet, Callable, Optional, Sequence, Set
 
 from tpguide.engine.planner import PlannedStep
 from tpguide.engine.request import Request
@@ -51,7 +51,8 @@ class StepFinisher:
         self.spec = speculator
         self.detokenize = detokenize
 
-    def finish(self, planned: PlannedStep, result: StepResult, guided, dead_end_rows: Sequence[int] = ()) -> None:
+    def finish(self, planned: PlannedStep, result: StepResult, guided, dead_end_rows: Sequence[int] = (),
+               forced_rows: AbstractSet[int] = frozenset()) -> None:
         """Apply one step's result to its requests (see the module docstring).
 
         Parameters
@@ -60,6 +61,9 @@ class StepFinisher:
             The driver's matchers.
         dead_end_rows : sequence of int
             Sample rows whose bitmask fill failed (a dead end, or a matcher that raised).
+        forced_rows : set of int
+            Sample rows whose mask allowed one token id: a token appended from one counts as forced
+            (``Request.num_forced_tokens``, the receipt).
         """
         step = planned.number
         for row in dead_end_rows:  # the bitmask fill failed there: the request fails first
@@ -71,18 +75,20 @@ class StepFinisher:
             if req.is_finished or not s.samples:
                 continue
             with contained(req, "finish"):  # an exception fails this request alone (request_faults.py)
-                self._finish_one(req, s, first_row, result, guided, step)
+                self._finish_one(req, s, first_row, result, guided, step, forced_rows)
             req.first_token_time = req.first_token_time or now
 
-    def _finish_one(self, req: Request, s, first_row: int, result: StepResult, guided, step: int) -> None:
+    def _finish_one(self, req: Request, s, first_row: int, result: StepResult, guided, step: int,
+                    forced_rows: AbstractSet[int]) -> None:
         """Append one scheduled request's sampled (or verified) tokens and check its stop conditions."""
         before = len(req.output_token_ids)
         if self.spec is not None and not s.is_prefill:
-            self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step)
+            self._append_verified(req, s.token_ids[1:1 + s.num_draft_tokens], result, first_row, guided, step,
+                                  forced_rows)
         elif result.bad_rows[first_row]:
             self._fail_bad_row(req, result, first_row, step)
         else:
-            self._append(req, result.token_ids[first_row], result, first_row, guided, step)
+            self._append(req, result.token_ids[first_row], result, first_row, guided, step, forced_rows)
         if self.spec is not None:
             self.spec.stats.record_pass(len(req.output_token_ids) - before)
 
@@ -120,7 +126,8 @@ class StepFinisher:
         print(f"[rank 0] step {step}: request {req.request_id!r} failed: {req.error}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ tokens
-    def _append_verified(self, req: Request, drafts, result: StepResult, first_row: int, guided, step: int) -> None:
+    def _append_verified(self, req: Request, drafts, result: StepResult, first_row: int, guided, step: int,
+                         forced_rows: AbstractSet[int] = frozenset()) -> None:
         """Speculative decode: append the verified window token by token, truncated at the first stop condition.
 
         Each token goes through :meth:`_append`, the matcher accepting it as any
@@ -128,19 +135,28 @@ class StepFinisher:
         (:mod:`tpguide.guided.decoder`), so nothing is rolled back here.
         """
         record = guided.record(req.slot) if guided is not None else None
-        verdict = self.spec.verify(drafts, result.token_ids, first_row, forced=record is not None and record.forced)
+        forced = record is not None and record.forced
+        verdict = self.spec.verify(drafts, result.token_ids, first_row, forced=forced)
+        req.num_draft_tokens += len(drafts)  # the receipt's counters (tpguide/engine/receipt.py)
+        req.num_accepted_draft_tokens += verdict.num_accepted
+        if forced:
+            req.num_grammar_draft_tokens += len(drafts)
+            req.num_accepted_grammar_draft_tokens += verdict.num_accepted
         req.num_computed_tokens -= len(drafts) - verdict.num_accepted  # rejected positions: overwritten later
         for token, row in zip(verdict.token_ids, verdict.rows):
             if result.bad_rows[row]:
                 self._fail_bad_row(req, result, row, step)
                 return
-            self._append(req, token, result, row, guided, step)
+            self._append(req, token, result, row, guided, step, forced_rows)
             if req.is_finished:
                 return
 
-    def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int) -> None:
+    def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int,
+                forced_rows: AbstractSet[int] = frozenset()) -> None:
         """Append one output token, advance the request's matcher by it, check the stop conditions."""
         req.output_token_ids.append(token)
+        if row in forced_rows:
+            req.num_forced_tokens += 1  # its mask allowed this one token (the receipt)
         if req.sampling_params.logprobs:
             n = req.sampling_params.logprobs
             req.output_logprobs.append({

@@ -67,6 +67,7 @@ def request_output(req: Request, tokenizer, reasoning_parser=None) -> RequestOut
     reasoning, text = _texts(req, tokenizer, reasoning_parser)
     if req.finish_reason == "stop" and req.structured_output is not None:
         invalid = validate_output(req.structured_output, text)  # the last line of defence (fail closed)
+        req.post_check = "passed" if invalid is None else "failed"
         if invalid is not None:
             req.finish_reason, req.error = "error", invalid
     elapsed = (req.finish_time or time.perf_counter()) - req.arrival_time

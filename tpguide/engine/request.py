@@ -206,6 +206,12 @@ class Request:
     guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
     thinks: bool = False  # set at admission: it starts inside a think block (docs/reasoning.md)
     detokenized: Optional[DetokenizeState] = None  # the unfinished output's text so far (engine/outputs.py)
+    post_check: Optional[str] = None  # "passed" / "failed": the guided "stop" output's validation (engine/outputs.py)
+    num_draft_tokens: int = 0  # drafts verified for it, and accepted (the receipt, tpguide/engine/receipt.py)
+    num_accepted_draft_tokens: int = 0
+    num_grammar_draft_tokens: int = 0  # of those, the grammar drafter's (forced text, JSON layouts)
+    num_accepted_grammar_draft_tokens: int = 0
+    num_forced_tokens: int = 0  # output tokens whose mask allowed that one token id (engine/finisher.py)
 
     @property
     def is_finished(self) -> bool:
@@ -293,6 +299,11 @@ class RequestOutput:
         done (None unless asked for, or when the request failed).
     elapsed_s : float
         Seconds from ``add_request`` to now (or to the finish).
+    receipt : dict or None
+        A finished output's receipt (docs/receipts.md); None while running.
+    request : dict or None
+        The request line that reproduces it (:func:`tpguide.engine.receipt.request_line`),
+        set with ``receipt``.
     """
 
     request_id: str
@@ -320,9 +331,13 @@ class RequestOutput:
         return self.request_id
     guided_backend: Optional[str] = None
 
+    receipt: Optional[Dict[str, Any]] = None
+    request: Optional[Dict[str, Any]] = None
+
     def to_json(self) -> Dict[str, Any]:
         """The output line: ``{"id", "text", "token_ids", "finish_reason", "error", "num_prompt_tokens"}``
-        (+ ``"logprobs"`` / ``"prompt_logprobs"`` when asked, ``"reasoning"`` for a request that thinks)."""
+        (+ ``"logprobs"`` / ``"prompt_logprobs"`` when asked, ``"reasoning"`` for a request that thinks,
+        ``"request"`` and ``"receipt"`` once finished, docs/receipts.md)."""
         out = {
             "id": self.request_id,
             **({"reasoning": self.reasoning} if self.reasoning is not None else {}),
@@ -340,6 +355,10 @@ class RequestOutput:
             out["guided_backend"] = self.guided_backend
         if self.server_fault:
             out["server_fault"] = True
+        if self.request is not None:
+            out["request"] = self.request
+        if self.receipt is not None:
+            out["receipt"] = self.receipt
         return out
 
     @classmethod
@@ -348,4 +367,5 @@ class RequestOutput:
         return cls(request_id=str(obj["id"]), index=index, token_ids=list(obj.get("token_ids", [])),
                    text=obj.get("text", ""), reasoning=obj.get("reasoning"), finish_reason=obj.get("finish_reason"), error=obj.get("error"),
                    num_prompt_tokens=obj.get("num_prompt_tokens", 0), logprobs=obj.get("logprobs"),
-                   prompt_logprobs=obj.get("prompt_logprobs"))
+                   prompt_logprobs=obj.get("prompt_logprobs"), guided_backend=obj.get("guided_backend"),
+                   receipt=obj.get("receipt"), request=obj.get("request"))

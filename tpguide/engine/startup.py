@@ -74,5 +74,13 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
             raise ValueError(f"draft_num_layers={num_layers} exceeds the model's {num_hidden} layers")
         draft_head = build_draft_head(model, model_dir, num_layers, config.draft_vocab_size, all_stop_ids,
                                       lens=config.draft_lens, tokenizer=tokenizer)
-    return Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head,
-                  reasoning=reasoning)
+    engine = Engine(model, group, config, tokenizer=tokenizer, stop_token_ids=stop_ids, draft_head=draft_head,
+                    reasoning=reasoning)
+    if engine.driver is not None:  # the receipts' model fingerprint and engine facts, once (docs/receipts.md)
+        from tpguide.engine.model_fingerprint import model_fingerprint
+        from tpguide.engine.receipt import ReceiptContext, engine_section
+
+        engine.driver.receipts = ReceiptContext(
+            model=model_fingerprint(model_dir, getattr(tokenizer, "chat_template", None)),
+            engine=engine_section(config, group.tp_size, group.device, getattr(group, "dp_size", 1)))
+    return engine

@@ -15,7 +15,7 @@ The driver fills full rows, checks them for dead ends on the *full* row
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import numpy as np
 import torch
@@ -214,3 +214,35 @@ def single_allowed_token(row: torch.Tensor, vocab_size: int) -> Optional[int]:
         return None
     token_id = index * BITS_PER_WORD + word.bit_length() - 1
     return token_id if token_id < vocab_size else None
+
+
+def find_single_token_rows(token_bitmask: torch.Tensor, token_mask: torch.Tensor) -> List[int]:
+    """Guided rows that allow exactly one token id: the grammar forces that token (a receipt's count).
+
+    The rows of :func:`single_allowed_token`, all at once: a row with one
+    nonzero word whose value is a power of two.  In numpy (a per-row count of
+    nonzero words costs microseconds; the torch ops cost a hundred times more
+    on a small batch), on the guided rows only.
+
+    Parameters
+    ----------
+    token_bitmask : torch.Tensor
+        int32 ``[num_rows, bitmask_size]``, full rows, CPU.
+    token_mask : torch.Tensor
+        int32 ``[num_rows]``, CPU; rows with 0 are unguided and never count.
+
+    Returns
+    -------
+    list of int
+        The row indices, ascending.
+    """
+    rows = np.flatnonzero(token_mask.numpy())
+    if not len(rows):
+        return []
+    words = token_bitmask.numpy()
+    single = []
+    for row in rows[np.count_nonzero(words[rows], axis=1) == 1]:
+        word = int(words[row][np.flatnonzero(words[row])[0]]) & 0xFFFFFFFF
+        if not word & (word - 1):
+            single.append(int(row))
+    return single

@@ -57,7 +57,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 #: seconds the last-line check of a regex output may take (fail closed past it: the request errors)
 REGEX_CHECK_TIMEOUT_S = 2.0
@@ -179,6 +179,22 @@ def _child(pointer: str, *parts: Any) -> str:
     return pointer + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+def json_pointer_get(document: Any, pointer: str, default: Any = None) -> Any:
+    """The value at the JSON Pointer ``pointer`` (RFC 6901, ``""`` = the whole document), else ``default``."""
+    if pointer and not pointer.startswith("/"):
+        return default
+    node = document
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return default
+    return node
+
+
 def resolve_local_ref(root: Any, ref: str) -> Optional[Any]:
     """The sub-schema of ``root`` that a ``$ref`` into the same document names, else None.
 
@@ -193,16 +209,7 @@ def resolve_local_ref(root: Any, ref: str) -> Optional[Any]:
         return None
     if fragment and not fragment.startswith("/"):
         return _find_anchor(root, fragment)
-    node = root
-    for part in [p for p in fragment.split("/") if p]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
+    return json_pointer_get(root, fragment)
 
 
 def _find_anchor(node: Any, name: str) -> Optional[Any]:
@@ -292,6 +299,23 @@ class _Search:
         return True
 
 
+def finite_instance_problems(schema: Any) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """Why no finite JSON value satisfies ``schema``: ``(cycles, contradictions)``, both empty when one does.
+
+    ``cycles``: the ``$ref`` chains that close a cycle with no base case
+    (e.g. ``#/$defs/a -> #/$defs/a``); ``contradictions``: ``(JSON pointer of
+    the schema node, reason)`` of each forced value no value satisfies, the
+    root's pointer written ``/``.  The one search behind
+    :func:`check_schema_has_finite_instance` and the guide check
+    (:mod:`tpguide.guided.guide_check`).
+    """
+    search = _Search(schema)
+    if search.productive(schema, frozenset({"#"}), ("#",)):
+        return [], []
+    contradictions = [tuple(c.split(": ", 1)) for c in dict.fromkeys(search.contradictions)]
+    return list(dict.fromkeys(search.cycles)), contradictions
+
+
 def check_schema_has_finite_instance(schema: Any) -> None:
     """Raise ``ValueError`` if no finite JSON value can satisfy ``schema``.
 
@@ -308,14 +332,14 @@ def check_schema_has_finite_instance(schema: Any) -> None:
         or a contradiction (the message gives its JSON pointer into the
         schema and the reason, e.g. ``/anyOf: anyOf is an empty list``).
     """
-    search = _Search(schema)
-    if search.productive(schema, frozenset({"#"}), ("#",)):
+    cycles, contradictions = finite_instance_problems(schema)
+    if not cycles and not contradictions:
         return
     parts = []
-    if search.cycles:
-        parts.append(f"$ref cycle with no base case ({'; '.join(dict.fromkeys(search.cycles))})")
-    if search.contradictions:
-        parts.append(f"unsatisfiable at {'; '.join(dict.fromkeys(search.contradictions))}")
+    if cycles:
+        parts.append(f"$ref cycle with no base case ({'; '.join(cycles)})")
+    if contradictions:
+        parts.append(f"unsatisfiable at {'; '.join(f'{p}: {why}' for p, why in contradictions)}")
     raise ValueError(f"json schema has no finite instance: {'; '.join(parts)}")
 
 

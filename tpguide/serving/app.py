@@ -24,6 +24,7 @@ from tpguide.serving.engine_loop import EngineDead, EngineLoop
 from tpguide.serving.errors import APIError, bad_request
 from tpguide.serving.metrics import ServerMetrics
 from tpguide.serving.protocol import ParsedRequest, parse_request
+from tpguide.serving.receipts import check_guides, receipt_of, wants_receipt
 from tpguide.serving.responses import TokenText, build_answer, error_of, usage
 from tpguide.serving.responses_api import add_responses_routes
 from tpguide.serving.sse import ChatEvents, ChoiceStream, chunk
@@ -56,6 +57,11 @@ class ServerState:
     shutting_down : bool
         Set on SIGINT / SIGTERM before the engine loop aborts the running
         requests: their answers are then 503 "shutting down", not 499.
+    return_receipts : bool
+        ``--return-receipts``: every answer carries its receipts, asked or not (docs/receipts.md).
+    guide_check : callable, optional
+        ``structured_output -> report`` for ``POST /v1/guides/check``
+        (:func:`tpguide.serving.server.make_guide_check`); None: 503 until set.
     """
 
     loop: EngineLoop
@@ -73,6 +79,8 @@ class ServerState:
     precompile: Optional[Callable[[Dict[str, Any]], None]] = None
     retry_after_s: int = 1
     shutting_down: bool = False
+    return_receipts: bool = False
+    guide_check: Optional[Callable[[Any], Dict[str, Any]]] = None
     _index: Any = field(default_factory=itertools.count)
 
 
@@ -138,6 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
             body = await _body(request)
             parsed = call.parse(body) if call is not None else parse_request(body, endpoint, rid, state.guided_backend,
                                                                              state.tool_format)
+            with_receipts = call is None and wants_receipt(body, state.return_receipts)  # chat and completions
         except APIError as err:
             state.metrics.failed.labels(error_kind="invalid_request").inc()
             raise err
@@ -175,11 +184,15 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         ids = [r.request_id for r in reqs]
         if parsed.stream:
-            return await _stream(request, parsed, rid, ids, q, call)
+            return await _stream(request, parsed, rid, ids, q, call, with_receipts)
         outputs = await _collect(request, ids, q)
         if call is not None:
             return call.answer(parsed, outputs, token_text)
-        return build_answer(parsed, rid, outputs, token_text)
+        answer = build_answer(parsed, rid, outputs, token_text)
+        if with_receipts:  # docs/receipts.md
+            for choice, out in zip(answer["choices"], outputs):
+                choice["receipt"] = receipt_of(out, parsed.tools)
+        return answer
 
     async def _collect(request: Request, ids: List[str], q: asyncio.Queue) -> List[Any]:
         finals: Dict[str, Any] = {}
@@ -204,7 +217,7 @@ def create_app(state: ServerState) -> FastAPI:
         return [finals[i] for i in ids]
 
     async def _stream(request: Request, parsed: ParsedRequest, rid: str, ids: List[str], q: asyncio.Queue,
-                      call: Any = None):
+                      call: Any = None, with_receipts: bool = False):
         watcher = asyncio.create_task(_abort_on_disconnect(request, state.loop, ids))
         try:
             first = await q.get()
@@ -241,7 +254,10 @@ def create_app(state: ServerState) -> FastAPI:
                         yield "".join(out.error(error_of(item).to_json()))
                         finals[item.request_id] = item
                         break
-                    for entry in streams[order[item.request_id]].on_output(item):  # one choice per chunk
+                    entries = streams[order[item.request_id]].on_output(item)
+                    if item.finished and with_receipts and entries:  # the choice's last chunk: its receipt
+                        entries[-1]["receipt"] = receipt_of(item, parsed.tools)
+                    for entry in entries:  # one choice per chunk
                         yield "".join(out.chunk(chunk(parsed, rid, created, [entry])))
                     if item.finished:
                         finals[item.request_id] = item
@@ -268,6 +284,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_responses_routes(app, state, _handle)
     add_tokenize_routes(app, state, _body)
+
+    @app.post("/v1/guides/check")
+    async def guides_check(request: Request):
+        """Admit guides as generation would, without generating (docs/receipts.md "The guide check")."""
+        if state.guide_check is None:
+            raise APIError(503, "the guide check is not ready yet (the grammar backend is being built)",
+                           "server_error", code="not_ready", headers={"Retry-After": str(state.retry_after_s)})
+        body = await _body(request)
+
+        def parse(chat_body):
+            return parse_request(chat_body, "chat", "guide-check", state.guided_backend, state.tool_format)
+
+        return await asyncio.to_thread(check_guides, body, state.guide_check, parse)
+
     return app
 
 

@@ -35,7 +35,8 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
                      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "response_format", "ignore_eos", "logprobs", "return_token_ids"})
+                     "response_format", "ignore_eos", "logprobs", "return_token_ids",
+                     "return_receipt"})  # return_receipt: read by the app (tpguide/serving/receipts.py)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "modalities"} | CHAT_REASONING_FIELDS
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"} | COMPLETION_REASONING_FIELDS

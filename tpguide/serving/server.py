@@ -47,6 +47,27 @@ def make_precompile(engine, metrics: ServerMetrics):
     return precompile
 
 
+def make_guide_check(engine, config):
+    """``check(structured_output) -> report`` for ``POST /v1/guides/check``: the engine's own admission.
+
+    :func:`tpguide.guided.guide_check.check_guide` on the engine's backend
+    (the one generation admits with; its compile cache is shared, so a checked
+    guide is compiled when a request uses it), under ``--grammar-compile-timeout``.
+    """
+    from tpguide.guided.compile_service import CompileService
+    from tpguide.guided.guide_check import check_guide
+
+    backend = engine.guided_backend()
+    compiles = CompileService(config.grammar_compile_timeout_s)  # generation's limit, and its message
+    one_at_a_time = threading.Lock()  # a compile service hands every finished job to whoever collects
+
+    def check(structured_output):
+        with one_at_a_time:
+            return check_guide(backend, structured_output, config.json_whitespace, compiles)
+
+    return check
+
+
 def make_server_state(engine, config, *, served_model_name: str, api_key, max_waiting_requests: int,
                       max_body_bytes: int, default_max_tokens: int, heartbeat_s: float,
                       tool_format: ToolSetup, channels: Optional[Dict[int, Any]] = None, tp_size: int = 1,
