@@ -97,8 +97,9 @@ def test_required_function_call_then_its_output(client):
 
 def test_tools_and_a_schema_answer_on_both_endpoints(client):
     question = "What is the weather in Paris? Answer as JSON with name and age, or call a tool."
+    # one call at most: the embedded model starts a second call it cannot finish in 48 tokens (docs/tool-calls.md)
     r = client.responses.create(model=MODEL, input=question, tools=[WEATHER], text=FORMAT, temperature=0,
-                                max_output_tokens=48)
+                                max_output_tokens=48, parallel_tool_calls=False)
     calls = [i for i in r.output if i.type == "function_call"]
     assert r.status == "completed"
     if calls:
@@ -107,7 +108,7 @@ def test_tools_and_a_schema_answer_on_both_endpoints(client):
         jsonschema.validate(json.loads(r.output_text), SCHEMA)
     c = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=48,
-        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        parallel_tool_calls=False, tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
     message = c.choices[0].message
     assert c.choices[0].finish_reason == ("tool_calls" if calls else "stop")

@@ -171,9 +171,17 @@ def test_streamed_tool_arguments(client):
 
 
 def test_a_call_cut_by_max_tokens_leaves_no_syntax_in_content(client):
-    """The embedded model starts a second call in ``required`` (parallel allowed); max_tokens cuts it."""
-    kw = dict(model=MODEL, messages=user("Weather in Oslo?"), tools=[WEATHER, TIME], temperature=0,
-              tool_choice="required")
+    """The embedded model starts a second call in ``required`` (parallel allowed); max_tokens cuts it.
+
+    The first prompt whose answer makes two calls (which one does depends on the CPU class's bf16 bits).
+    """
+    for question in ("Weather in Oslo and in Paris?", "Weather in Rome?", "Weather and time in Oslo?"):
+        kw = dict(model=MODEL, messages=user(question), tools=[WEATHER, TIME], temperature=0,
+                  tool_choice="required")
+        if len(client.chat.completions.create(**kw, max_tokens=96).choices[0].message.tool_calls or []) >= 2:
+            break
+    else:
+        raise AssertionError("no prompt made the embedded model start a second call")
     one = client.chat.completions.create(**kw, max_tokens=64, parallel_tool_calls=False)
     cut_at = one.usage.completion_tokens + 4  # the first call, then 4 tokens into what follows it
     r = client.chat.completions.create(**kw, max_tokens=cut_at)

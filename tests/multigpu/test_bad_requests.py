@@ -28,7 +28,7 @@ CYCLE = {"$ref": "#/$defs/node", "$defs": {"node": {
 BAD = [
     ({"id": "b-field", "prompt": "x", "colour": "red"}, ["unknown request field", "colour"]),
     ({"id": "b-schema", "prompt": "x", "structured_output": {"json": {"type": "nonsense"}}},
-     ["json_schema", "nonsense"]),
+     ["not a valid JSON Schema", "nonsense", "(at /type)"]),
     ({"id": "b-contradiction", "prompt": "x",
       "structured_output": {"json": {"type": "integer", "minimum": 5, "maximum": 2}}}, ["minimum"]),
     ({"id": "b-cycle", "prompt": "x", "structured_output": {"json": CYCLE}},
