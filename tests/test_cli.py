@@ -14,11 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_usage_and_unknown_command(capsys):
-    assert main([]) == 2 and "usage: tpguide {generate,serve}" in capsys.readouterr().err
+    assert main([]) == 2 and "usage: tpguide {generate,serve,replay}" in capsys.readouterr().err
     assert main(["train"]) == 2 and "unknown command 'train'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["serve", "--help"])
     assert info.value.code == 0 and "--tool-call-parser" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--help"])
+    assert info.value.code == 0 and "--force" in capsys.readouterr().out
 
 
 def test_module_runs_with_the_launch_scripts_flags():

@@ -146,11 +146,7 @@ def schema_template(model_dir):
 
 
 def test_replay_cli_one_request_at_a_time(outputs, tiny_model_path, tmp_path, capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-    import replay
+    from tpguide.cli import replay
 
     lines = [outputs[r["id"]] for r in REQUESTS]
     flipped = json.loads(json.dumps(lines[0]))

@@ -1,4 +1,4 @@
-"""The ``tpguide`` command: ``tpguide generate ...`` and ``tpguide serve ...`` (docs/usage.md, docs/serving.md).
+"""The ``tpguide`` command: ``tpguide generate|serve|replay ...`` (docs/usage.md, docs/serving.md, docs/receipts.md).
 
 The flags are those of ``launch/generate.py`` and ``launch/serve.py``,
 which are thin scripts over :mod:`tpguide.cli.generate` and
@@ -14,10 +14,11 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-COMMANDS = ("generate", "serve")
-USAGE = ("usage: tpguide {generate,serve} [flags]   (tpguide generate --help, tpguide serve --help)\n"
+COMMANDS = ("generate", "serve", "replay")
+USAGE = ("usage: tpguide {generate,serve,replay} [flags]   (tpguide COMMAND --help)\n"
          "  generate   guided generation on JSON-lines requests, or the built-in demo\n"
-         "  serve      the OpenAI-compatible server")
+         "  serve      the OpenAI-compatible server\n"
+         "  replay     rerun an output file's requests and prove them bit for bit (docs/receipts.md)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -32,6 +33,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         sys.argv[0] = "tpguide generate"
         exit_now(run(argv[1:]))  # leaves without interpreter teardown (see exit_now)
+    if argv[0] == "replay":
+        from tpguide.cli.replay import main as replay
+
+        sys.argv[0] = "tpguide replay"
+        return replay(argv[1:])
     from tpguide.cli.serve import run as run_serve
 
     sys.argv[0] = "tpguide serve"
