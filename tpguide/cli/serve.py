@@ -205,6 +205,10 @@ def main(argv=None) -> int:
     dp = f" x dp_size={group.dp_size}" if group.dp_size > 1 else ""
     print(f"[rank 0] serving {state.served_model_name!r} at tp_size={group.tp_size}{dp} on "
           f"http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr, flush=True)
+    tools = state.tool_format
+    shown = "rendered by the chat template" if tools.template_tools else "in tpguide's own tool prompt"
+    print(f"[rank 0] tool calls: the {tools.fmt.name} format (--tool-call-parser {args.tool_call_parser}), tools "
+          f"{shown}", file=sys.stderr, flush=True)
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on its way out:
         signal.signal(sig, lambda signum, _frame: received.append(signum))  # land here, not in the default
