@@ -135,3 +135,17 @@ def test_forced_tokens_in_receipts_equal_a_matcher_walk(runs, backend):
         assert single is None or out["token_ids"][0] == single, rid
         forced += single is not None
     assert forced >= 1  # the one-choice guide at least
+
+
+def test_a_keyword_a_backend_does_not_compile_is_refused_in_its_table_not_enforced():
+    """llguidance does not compile ``uniqueItems`` (a new-user trial saw it listed as enforced)."""
+    from tpguide.guided.guide_check import _keyword_table, not_compiled_keywords
+
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    assert not_compiled_keywords(schema, "llguidance") == [("/uniqueItems",
+                                                           "'uniqueItems' is not compiled by llguidance")]
+    assert not_compiled_keywords(schema, "xgrammar") == []  # xgrammar compiles it, without enforcing it
+    for name in ("llguidance", "xgrammar"):
+        table = _keyword_table(schema, name, strict=True)
+        assert table["refused"] == ["/uniqueItems"] and "/uniqueItems" not in table["enforced"], (name, table)
+    assert _keyword_table(schema, "llguidance", strict=False)["refused"] == ["/uniqueItems"]

@@ -195,3 +195,17 @@ def test_single_token_rows_equal_the_one_row_oracle():
     token_mask[1] = 0  # an unguided row never counts
     expected = [i for i, row in enumerate(bitmask) if token_mask[i] and single_allowed_token(row, vocab) is not None]
     assert find_single_token_rows(bitmask, token_mask) == expected and 2 in expected and 3 in expected
+
+
+def test_replay_names_a_top_alternative_that_differs():
+    from tpguide.engine.replay import first_difference
+
+    recorded = {"token_ids": [1, 2], "finish_reason": "stop",
+                "logprobs": [{"logprob": -0.5, "top": [[1, -0.5], [3, -2.0]]},
+                             {"logprob": -0.1, "top": [[2, -0.1], [4, -3.0]]}]}
+    replayed = json.loads(json.dumps(recorded))
+    replayed["logprobs"][1]["top"][1][1] = math.nextafter(-3.0, 0.0)  # one bit of an alternative
+    found = first_difference(recorded, replayed)
+    assert found["index"] == 1 and found["recorded_bits"] == found["replayed_bits"]
+    assert found["recorded_top"][1] == (4, "c008000000000000") and found["replayed_top"][1][1] != "c008000000000000"
+    assert first_difference(recorded, json.loads(json.dumps(recorded))) is None

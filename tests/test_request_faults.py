@@ -132,3 +132,14 @@ def test_a_long_enum_goes_to_llguidance_not_to_xgrammar():
     assert pointer == "/enum" and "an enum of 14000 values" in why and "over xgrammar's 65536" in why
     assert unenforced_keywords(schema, "llguidance") == []
     assert unenforced_keywords({"enum": [f"v{i}" for i in range(5000)]}, "xgrammar") == []
+
+
+def test_tool_parameters_invalid_against_the_metaschema_are_a_400_naming_the_tool():
+    from tpguide.serving.errors import APIError
+    from tpguide.serving.tool_calls import parse_tools
+
+    with pytest.raises(APIError) as info:
+        parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "integer",
+                                                                                  "maxLength": -1}}}])
+    assert info.value.status == 400 and info.value.param == "tools[0].function.parameters"
+    assert "-1 is less than the minimum of 0 (at /maxLength)" in info.value.message

@@ -64,9 +64,12 @@ def describe(result: dict) -> str:
     if d["index"] < 0:
         return (f"{result['id']}: same tokens, finish_reason {d['recorded_finish_reason']!r} recorded, "
                 f"{d['replayed_finish_reason']!r} replayed")
-    return (f"{result['id']}: differs at position {d['index']}: recorded token {d['recorded_token']} "
+    line = (f"{result['id']}: differs at position {d['index']}: recorded token {d['recorded_token']} "
             f"(logprob {d['recorded_logprob']}, bits {d['recorded_bits']}), replayed token {d['replayed_token']} "
             f"(logprob {d['replayed_logprob']}, bits {d['replayed_bits']})")
+    if "recorded_top" in d:  # the sampled token agrees; a top-logprobs alternative does not
+        line += f"; its top alternatives [id, bits] differ: recorded {d['recorded_top']}, replayed {d['replayed_top']}"
+    return line
 
 
 def main(argv=None) -> int:

@@ -140,7 +140,8 @@ def first_difference(recorded: Dict[str, Any], replayed: Dict[str, Any]) -> Opti
     dict or None
         ``{"index", "recorded_token", "replayed_token", "recorded_logprob",
         "replayed_logprob", "recorded_bits", "replayed_bits"}`` (bits as 16 hex
-        digits of the float64).
+        digits of the float64), plus ``"recorded_top"`` / ``"replayed_top"``
+        (``[[id, bits], ...]``) when only a top alternative differs.
     """
     a, b = recorded.get("token_ids") or [], replayed.get("token_ids") or []
     for i in range(max(len(a), len(b))):
@@ -148,8 +149,13 @@ def first_difference(recorded: Dict[str, Any], replayed: Dict[str, Any]) -> Opti
         tb = b[i] if i < len(b) else None
         if ta != tb or (recorded.get("logprobs") is not None and _entry_bits(recorded, i) != _entry_bits(replayed, i)):
             la, lb = _logprob(recorded, i), _logprob(replayed, i)
-            return {"index": i, "recorded_token": ta, "replayed_token": tb, "recorded_logprob": la,
-                    "replayed_logprob": lb, "recorded_bits": float_bits(la), "replayed_bits": float_bits(lb)}
+            found = {"index": i, "recorded_token": ta, "replayed_token": tb, "recorded_logprob": la,
+                     "replayed_logprob": lb, "recorded_bits": float_bits(la), "replayed_bits": float_bits(lb)}
+            top_a, top_b = (_entry_bits(line, i) for line in (recorded, replayed))
+            if ta == tb and found["recorded_bits"] == found["replayed_bits"] and top_a != top_b:
+                # only a top alternative differs: name it (id and bits on both sides)
+                found["recorded_top"], found["replayed_top"] = (list(t[1:]) if t else None for t in (top_a, top_b))
+            return found
     if recorded.get("finish_reason") != replayed.get("finish_reason"):
         return {"index": -1, "recorded_token": None, "replayed_token": None, "recorded_logprob": None,
                 "replayed_logprob": None, "recorded_bits": None, "replayed_bits": None,

@@ -28,7 +28,9 @@ from typing import Any, Dict, List, Optional
 
 from tpguide.guided.admission import admit, schema_keywords, unenforced_keywords
 from tpguide.guided.compile_service import CompileService
+from tpguide.guided.enforcement import MEASURED, REFUSED
 from tpguide.guided.guide_hash import guide_hash
+from tpguide.guided.keyword_cases import keyword_key
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import finite_instance_problems, json_pointer_get
@@ -82,14 +84,26 @@ def _unsatisfiable_reasons(schema: Any) -> List[Dict[str, Any]]:
     return reasons
 
 
+def not_compiled_keywords(schema: Any, backend_name: str) -> List[tuple]:
+    """``(JSON pointer, reason)`` of each keyword use that ``backend_name`` refuses to compile at all
+    (:data:`~tpguide.guided.enforcement.MEASURED` ``refused``: llguidance's ``uniqueItems``, ``contains``, ...)."""
+    table = MEASURED.get(backend_name, {})
+    return [(pointer, f"{key!r} is not compiled by {backend_name}")
+            for pointer, keyword, value, node in schema_keywords(schema)
+            if table.get(key := keyword_key(keyword, value, node, schema)) == REFUSED]
+
+
 def _keyword_table(schema: Any, backend_name: str, strict: bool) -> Dict[str, List[str]]:
     """Keyword uses by pointer: enforced by ``backend_name``'s grammar, checked after generation, refused,
     annotations, and unknown keys (no validator or backend reads them)."""
     unenforced = {pointer for pointer, _ in unenforced_keywords(schema, backend_name)}
+    not_compiled = {pointer for pointer, _ in not_compiled_keywords(schema, backend_name)}
     table: Dict[str, List[str]] = {"enforced": [], "checked_after_generation": [], "refused": [], "annotations": [],
                                    "unknown": []}
     for pointer, keyword, _, _ in schema_keywords(schema):
-        if pointer in unenforced:
+        if pointer in not_compiled:  # the backend does not compile it, strict or not
+            table["refused"].append(pointer)
+        elif pointer in unenforced:
             table["refused" if strict else "checked_after_generation"].append(pointer)
         elif keyword in ANNOTATIONS:
             table["annotations"].append(pointer)
@@ -199,7 +213,7 @@ def _refusal_reasons(backend: GuidedBackend, params: StructuredOutputsParams, sc
     names = list(getattr(backend, "backends", {backend.name: backend}))
     if schema is not None and params.strict:
         for name in names:
-            for pointer, why in unenforced_keywords(schema, name):
+            for pointer, why in unenforced_keywords(schema, name) + not_compiled_keywords(schema, name):
                 if params.guide_type == "regex":
                     pointer, why = "", why.replace("'pattern", "'regex")
                 reasons.append({"pointer": pointer, "keyword": "regex" if params.guide_type == "regex"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from tpguide.guided.reasoning import THINK_END, single_token_id
+from tpguide.guided.schema_check import check_valid_schema
 from tpguide.serving.errors import bad_request, unsupported
 from tpguide.serving.tool_answer import answer_error, answer_or_calls_guide
 from tpguide.serving.tool_formats.control_tokens import MarkerText
@@ -99,6 +100,10 @@ def parse_tools(tools: Any) -> List[FunctionTool]:
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object, got "
                               f"{type(params).__name__}", f"tools[{i}].function.parameters")
+        try:
+            check_valid_schema(params)  # as a response_format's schema is (a 400 naming the pointer)
+        except ValueError as exc:
+            raise bad_request(f"tools[{i}].function.parameters: {exc}", f"tools[{i}].function.parameters") from None
         if any(f.name == name for f in out):
             raise bad_request(f"tools lists the function {name!r} twice", "tools")
         desc = fn.get("description")
