@@ -386,7 +386,7 @@ def check_valid_schema(schema: Any) -> None:
     try:
         cls.check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
-        pointer = "".join(f"/{str(p).replace('~', '~0').replace('/', '~1')}" for p in exc.path)
+        pointer = _child("", *exc.path)
         raise ValueError(f"json schema is not a valid JSON Schema ({cls.__name__.replace('Validator', '')}): "
                          f"{exc.message} (at {pointer or '/'})") from None
 
