@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 from fuzz_bodies import SCHEMA, fuzz_bodies
 from server_process import ServerProcess
+from test_serving_server import metric
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +80,12 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_next_request_is_serv
 
 
 def test_required_without_properties_is_refused_before_any_token(server):
-    before = _generated_tokens(server)
+    before = metric(server, "tpguide:generation_tokens_total")
+    assert before is not None
     typo = {"type": "object", "propertieC": {"name": {"type": "string"}}, "required": ["name"]}
     body = chat("A person.", response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": typo}})
     assert_error(post(server, "chat", body), 400, "'required' names ['name']", "(at /required)")
-    assert _generated_tokens(server) == before
-
-
-def _generated_tokens(server) -> float:
-    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
-        if line.startswith("tpguide:generation_tokens_total"):
-            return float(line.split()[-1])
-    raise AssertionError("no generation token counter in /metrics")
+    assert metric(server, "tpguide:generation_tokens_total") == before
 
 
 def test_a_request_that_makes_the_engine_raise_fails_alone(server):
