@@ -11,9 +11,9 @@ The collectives (:func:`all_reduce`, :func:`all_gather_stacked`,
 explicitly, the identity at ``tp_size == 1`` (so the single-process path
 never touches ``torch.distributed``).  Every collective is called by *every*
 rank of the group in the same order (SPMD); the ``src`` of broadcasts and
-scatters is the driver, ``tp_rank`` 0.  Callers reach them as
-``tpguide.dist.collectives`` (the package's name for this module's
-collectives, see ``tpguide/dist/__init__.py``), so a test can wrap them.
+scatters is the driver, ``tp_rank`` 0.  Callers reach them through this
+module (``from tpguide.dist import group as C``; ``tpguide/dist/__init__.py``),
+so a test can wrap them.
 """
 
 from __future__ import annotations

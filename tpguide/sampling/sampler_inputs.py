@@ -32,7 +32,7 @@ Conventions:
   draws the same token, with or without draft tokens.
 
 Source: the row-selection arithmetic of DeepInfer's ``prepare_sampler_inputs``
-(walkthrough in ``seeds/``) and vLLM's ``logits_indices = query_start_loc[1:] - 1``.
+and vLLM's ``logits_indices = query_start_loc[1:] - 1``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,194 @@
+"""Every ``tpguide/...`` path, quoted source path and dotted ``tpguide.x.y`` name the docs and docstrings mention exists.
+
+Read statically (``ast``), never by importing: a dotted name resolves when its
+longest module prefix is a file or package of ``tpguide/`` and each remaining
+part is bound there (a ``def``, ``class``, assignment, annotated field or
+import at module or class level; an imported name is followed to its module).
+Used by ``tests/test_doc_names.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import io
+import re
+import tokenize
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: ``tpguide/engine/driver.py``, ``tpguide/kernels/csrc/*.c``, ``tpguide/dist``: a path under the package.
+_PATH = re.compile(r"(?<![\w./-])tpguide/[\w*./-]*[\w*/]")
+#: ``tpguide.engine.config.EngineConfig``: a dotted name (at least one dot).
+_NAME = re.compile(r"(?<![\w./-])tpguide(?:\.[A-Za-z_]\w*)+")
+#: ```engine/driver.py```: a quoted relative path of a source file, under the root, ``tpguide/``,
+#: ``tpguide/kernels/`` (``csrc/``) or ``tests/``.  After ``<name>'s`` it is another project's file: not checked.
+_RELATIVE = re.compile(r"(?<!'s )(?<!'s `)`((?:[\w.-]+/)+[\w.*-]+\.(?:py|sh|c))`")
+_RELATIVE_BASES = ("", "tpguide", "tpguide/kernels", "tests")
+
+
+def pages(root: Path = ROOT) -> List[Path]:
+    """README.md, docs/*.md and every ``.py`` file of the package: the text whose references are checked."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "tpguide").rglob("*.py"))]
+
+
+#: Module attributes every module has.
+_MODULE_DUNDERS = {"__file__", "__name__", "__path__", "__doc__", "__spec__", "__all__"}
+
+
+def prose_lines(page: Path) -> Iterator[Tuple[int, str]]:
+    """(line number, text) of a page's prose: every line of a Markdown page; a Python file's docstrings and comments.
+
+    A docstring is any string statement (module, class, function or attribute
+    docstring); code and other string literals (a store key, a message) are not
+    prose and are not checked.
+    """
+    text = page.read_text(encoding="utf-8")
+    if page.suffix != ".py":
+        yield from enumerate(text.splitlines(), 1)
+        return
+    lines = text.splitlines()
+    for node in ast.walk(ast.parse(text, filename=str(page))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for number in range(node.lineno, node.end_lineno + 1):
+                yield number, lines[number - 1]
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+
+
+def references(lines) -> Iterator[Tuple[int, str, str]]:
+    """(line number, ``"path"`` or ``"name"``, reference) of every ``tpguide`` path and dotted name in ``lines``."""
+    for number, line in lines:
+        for m in _PATH.finditer(line):
+            yield number, "path", m.group(0)
+        for m in _NAME.finditer(line):
+            yield number, "name", m.group(0)
+        for m in _RELATIVE.finditer(line):
+            if not m.group(1).startswith("tpguide/"):
+                yield number, "relative path", m.group(1)
+
+
+def path_exists(ref: str, root: Path = ROOT) -> bool:
+    """Whether a ``tpguide/...`` path (a ``*`` glob allowed) names a file or folder under ``root``."""
+    ref = ref.rstrip("/")
+    if "*" in ref:
+        return any(root.glob(ref))
+    return (root / ref).exists()
+
+
+def relative_path_exists(ref: str, root: Path = ROOT) -> bool:
+    """Whether a relative source path names a file under one of :data:`_RELATIVE_BASES` of ``root``."""
+    return any(path_exists(str(Path(base) / ref) if base else ref, root) for base in _RELATIVE_BASES)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_file(dotted: str, root: Path) -> Optional[Path]:
+    """The source file of module ``dotted`` (``tpguide.x.y``) under ``root``, or None."""
+    base = root.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _bindings(body: list, module: str, path: Path) -> dict:
+    """Names bound at one level (module or class body): name -> node, or (module, name) for an import."""
+    out: dict = {}
+
+    def visit(stmts):
+        for node in stmts:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out[node.name] = node
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    for name in ast.walk(target):
+                        if isinstance(name, ast.Name):
+                            out[name.id] = node
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out[node.target.id] = node
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(node, module, path)
+                for alias in node.names:
+                    out[alias.asname or alias.name] = (source, alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    out[alias.asname or alias.name.split(".")[0]] = (alias.name if alias.asname else
+                                                                     alias.name.split(".")[0], None)
+            elif isinstance(node, (ast.If, ast.Try)):  # TYPE_CHECKING blocks, optional imports
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+    visit(body)
+    return out
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute module of a ``from ... import`` in ``module`` (a package's ``__init__`` is its own level)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    package = package[:len(package) - node.level + 1]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _resolve_in(module: str, parts: List[str], root: Path, depth: int = 0) -> bool:
+    """Whether ``parts`` (attribute names) resolve inside module ``module``, following imports."""
+    path = _module_file(module, root)
+    if path is None or depth > 8:
+        return False
+    if not parts:
+        return True
+    if parts == [parts[0]] and parts[0] in _MODULE_DUNDERS:
+        return True
+    if _module_file(f"{module}.{parts[0]}", root) is not None:  # a submodule
+        return _resolve_in(f"{module}.{parts[0]}", parts[1:], root, depth + 1)
+    bound = _bindings(_tree(path).body, module, path).get(parts[0])
+    if bound is None:
+        return False
+    if isinstance(bound, tuple):
+        source, name = bound
+        if not source.startswith("tpguide"):
+            return True  # an outside module's name: its attributes are not ours to check
+        if name is None:
+            return _resolve_in(source, parts[1:], root, depth + 1)
+        return _resolve_in(source, [name, *parts[1:]], root, depth + 1)
+    node = bound
+    for i, part in enumerate(parts[1:], 2):
+        if not isinstance(node, ast.ClassDef):
+            return False
+        node = _bindings(node.body, module, path).get(part)
+        if node is None:
+            return False
+        if isinstance(node, tuple):  # a name imported into a class body: the last part only
+            return i == len(parts)
+    return True
+
+
+def name_exists(ref: str, root: Path = ROOT) -> bool:
+    """Whether a dotted ``tpguide.x.y`` names a module of ``root/tpguide`` or something bound in one."""
+    parts = ref.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        if _module_file(module, root) is not None:
+            return _resolve_in(module, parts[cut:], root)
+    return False
+
+
+def broken_references(page: Path, root: Path = ROOT) -> List[str]:
+    """``"file:line: kind 'ref' does not exist"`` for each reference of ``page`` that does not resolve."""
+    broken = []
+    for number, kind, ref in references(prose_lines(page)):
+        check = {"path": path_exists, "relative path": relative_path_exists, "name": name_exists}[kind]
+        ok = check(ref, root)
+        if not ok:
+            broken.append(f"{page.relative_to(root)}:{number}: {kind} {ref!r} does not exist")
+    return broken

@@ -1,0 +1,50 @@
+"""Every ``tpguide/...`` path, quoted source path and ``tpguide.x.y`` name in README.md, docs/ and docstrings exists.
+
+Read with ``ast`` (``tests/doc_names.py``): nothing of tpguide is imported.
+"""
+
+import pytest
+
+from doc_names import ROOT, broken_references, name_exists, pages
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if p.suffix == ".md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_reference_of_a_doc_page_exists(page):
+    broken = broken_references(page)
+    assert broken == [], "\n".join(broken)
+
+
+def test_every_reference_of_a_docstring_or_comment_exists():
+    broken = [b for p in pages() if p.suffix == ".py" for b in broken_references(p)]
+    assert broken == [], "\n".join(broken)
+
+
+def test_the_checker_finds_broken_paths_and_names(tmp_path):
+    pkg = tmp_path / "tpguide" / "engine"
+    pkg.mkdir(parents=True)
+    (tmp_path / "tpguide" / "__init__.py").write_text('"""Root."""\nfrom tpguide.engine.config import Config as C\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text(
+        "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpguide.engine import other\n"
+        "class Config:\n    limit: int = 1\n    def check(self):\n        pass\nDEFAULT = Config()\n")
+    (pkg / "other.py").write_text('"""A module."""\nfrom .config import Config\n')
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("`tpguide/engine/config.py`, `engine/other.py`, `tpguide/engine/*.py`\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "tpguide.engine.config.Config.check, tpguide.engine.other.Config.limit, tpguide.C.check, "
+        "tpguide.engine.config.os.path.\n"
+        "`tpguide/engine/gone.py` and tpguide.engine.config.Config.gone; `engine/gone.py` (nano-vllm's "
+        "``layers/linear.py``)\n"
+        "tpguide.engine.missing, tpguide.engine.config.DEFAULT.limit\n")
+    (pkg / "driver.py").write_text('"""See :class:`tpguide.engine.config.Gone`."""\nx = "tpguide.not.checked"  # '
+                                   'tpguide.engine.other.Config.nope\n')
+    assert name_exists("tpguide.engine.other.Config.check", tmp_path)
+    assert [b for p in pages(tmp_path) for b in broken_references(p, tmp_path)] == [
+        "docs/a.md:2: path 'tpguide/engine/gone.py' does not exist",
+        "docs/a.md:2: name 'tpguide.engine.config.Config.gone' does not exist",
+        "docs/a.md:2: relative path 'engine/gone.py' does not exist",
+        "docs/a.md:3: name 'tpguide.engine.missing' does not exist",
+        "docs/a.md:3: name 'tpguide.engine.config.DEFAULT.limit' does not exist",
+        "tpguide/engine/driver.py:1: name 'tpguide.engine.config.Gone' does not exist",
+        "tpguide/engine/driver.py:2: name 'tpguide.engine.other.Config.nope' does not exist",
+    ]
