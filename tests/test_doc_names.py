@@ -4,7 +4,6 @@ Read with ``ast`` (``tests/doc_names.py``): nothing of tpguide is imported.
 """
 
 import pytest
-
 from doc_names import ROOT, broken_references, name_exists, pages
 
 
