@@ -57,8 +57,10 @@ rows are greedy, filtered or top-p, and ``K``, come from the metadata's host
 copy (:attr:`SamplingMetadata.host`), never from device values.
 
 Logprobs are those of ``log_softmax(logits)`` of the logits passed in, i.e.
-after the grammar bitmask and padding ``-inf`` but *before* temperature,
-top-k and top-p (vLLM's default ``raw_logprobs``).  A row that is all
+after penalties, ``logit_bias``, the grammar bitmask and padding ``-inf`` but
+*before* temperature, top-k and top-p (docs/exactness.md; vLLM's default
+``logprobs_mode``, ``raw_logprobs``, is taken before penalties and
+``logit_bias`` as well).  A row that is all
 ``-inf``, or holds a NaN or ``+inf``, is flagged in ``bad_rows`` (token id
 ``-1``, logprob ``-inf``): it never turns into NaN silently.
 
