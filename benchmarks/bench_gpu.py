@@ -18,7 +18,7 @@ rows), greedy, ``--max-tokens``, at ``--dtype`` (default bfloat16):
   output line is in ``OUT.partial`` (written when the request finishes).
 
 Runs on CPU too (tiny settings, for tests): ``--rows 2 --max-tokens 8``.
-See docs/gpu.md "Running the GPU acceptance".
+See docs/gpu-acceptance.md.
 
     python benchmarks/bench_gpu.py [--model DIR] [--requests FILE] [--rows 8,32,128] [--max-tokens 128]
         [--dtype bfloat16] [--modes exact,plain] [--no-hf] [--no-ttft]

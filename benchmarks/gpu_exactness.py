@@ -25,7 +25,7 @@ checked step differed from the plain step, or a capture failed:
 tpguide/worker/fast_path_check.py), since its rows then come from the
 plain step.  Prints ``set | comparison | identical ids | identical logprobs | s``
 and exits 1 on any difference or fallback, 3 when ``--budget-s`` ran out first (the rest
-is marked skipped).  See docs/gpu.md "Running the GPU acceptance".
+is marked skipped).  See docs/gpu-acceptance.md.
 
     python benchmarks/gpu_exactness.py [--requests FILE] [--rows 32] [--sub-rows 8] [--alone N]
         [--max-tokens 128] [--no-demo] [--budget-s S] [generate.py's engine flags, e.g. --dtype bfloat16]

@@ -10,7 +10,7 @@
 #   6. where benchmarks/profile_gpu.py exists: kernel vs host vs idle time of a decode step.
 # Every step has a time limit and runs even if an earlier one failed; the tables and one status line per
 # step are printed last.  Exits 1 if a step other than the profile failed.
-# See docs/gpu.md "Running the GPU acceptance".
+# See docs/gpu-acceptance.md.
 #   usage: bash launch/gpu_check.sh [--quick]        (--quick: steps 0-3 only)
 # Environment (defaults):
 #   TPGUIDE_GPU_DIR=.gpu    holds smollm2/ (the exported tokenizer) and vllm_fixtures.jsonl
@@ -26,7 +26,7 @@ GPU_DIR="${TPGUIDE_GPU_DIR:-.gpu}"
 WHEELS="${TPGUIDE_WHEELS:-.whl}"
 REQUESTS="${TPGUIDE_REQUESTS:-$GPU_DIR/vllm_fixtures.jsonl}"
 [ -f "$REQUESTS" ] || { echo "[gpu_check] no requests file $REQUESTS: copy the bench data's vllm_fixtures.jsonl" \
-    "there or set TPGUIDE_REQUESTS (docs/gpu.md \"Running the GPU acceptance\")" >&2; exit 1; }
+    "there or set TPGUIDE_REQUESTS (docs/gpu-acceptance.md)" >&2; exit 1; }
 read -r LIMIT_KERNELS LIMIT_DEMO LIMIT_EXACT LIMIT_SPEED LIMIT_PROFILE <<< "${GPU_CHECK_LIMITS:-60 45 150 130 40}"
 LIMIT_PROFILE="${LIMIT_PROFILE:-40}"
 QUICK=0

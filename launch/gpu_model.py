@@ -11,7 +11,7 @@ package, a random-weight checkpoint of exactly that config (SmolLM2-135M's
 shape: 30 layers, 9 query / 3 KV heads, vocab 49152) with that tokenizer is
 written once to ``--out`` (fp32, like the converted embedded model, so
 ``--dtype auto`` loads it at fp32 as it would the real one).  The last line
-printed is the directory.  See docs/gpu.md "Running the GPU acceptance".
+printed is the directory.  See docs/gpu-acceptance.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Wheels for a GPU machine without a package index: download (here, where pip works) the cp312 manylinux
 # wheels of what tpguide needs beyond the GPU image's torch / triton / transformers, pinned to the versions
 # installed here, into .whl/ (git-ignored); llguidance 1.9 needs glibc >= 2.31 (manylinux_2_31).
-# See docs/gpu.md "Running the GPU acceptance".
+# See docs/gpu-acceptance.md.
 #   usage: bash launch/gpu_wheels.sh [DEST]        (default DEST: .whl)
 set -euo pipefail
 cd "$(dirname "$0")/.."
