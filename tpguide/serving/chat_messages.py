@@ -18,7 +18,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from tpguide.serving.errors import bad_request, unsupported
-from tpguide.serving.tool_formats.json_calls import JsonCallFormat
+from tpguide.serving.tool_formats.call_format import CallFormat
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
@@ -54,7 +54,7 @@ def _checked_calls(calls: Any, where: str) -> List[tuple]:
     return out
 
 
-def _tool_calls_text(calls: Any, where: str, fmt: JsonCallFormat) -> str:
+def _tool_calls_text(calls: Any, where: str, fmt: CallFormat) -> str:
     out = []
     for _, _, fn in _checked_calls(calls, where):
         args = fn.get("arguments", "{}")
@@ -79,7 +79,7 @@ def _structured_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
     return out
 
 
-def render_messages(messages: Any, fmt: JsonCallFormat, tool_prompt: Optional[str] = None,
+def render_messages(messages: Any, fmt: CallFormat, tool_prompt: Optional[str] = None,
                     template_tools: bool = False, prompt_role: str = "system") -> List[Dict[str, Any]]:
     """Plain ``{"role", "content"}`` messages for the request line.
 

@@ -27,7 +27,7 @@ from tpguide.serving.reasoning_fields import (
 )
 from tpguide.serving.tool_answer import ANY_OBJECT
 from tpguide.serving.tool_calls import ToolPlan, parse_tools, plan_tools, tool_guide, tool_system_prompt
-from tpguide.serving.tool_formats import JsonCallFormat, ToolSetup, hermes
+from tpguide.serving.tool_formats import CallFormat, ToolSetup, hermes
 
 #: Fields that do not change what is generated; accepted and not used.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -218,7 +218,7 @@ def _completion_prompts(body: Dict[str, Any]) -> List[str]:
 
 
 def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgrammar",
-                  tool_format: Optional[Union[ToolSetup, JsonCallFormat]] = None) -> ParsedRequest:
+                  tool_format: Optional[Union[ToolSetup, CallFormat]] = None) -> ParsedRequest:
     """Map an OpenAI ``/v1/chat/completions`` or ``/v1/completions`` body onto request lines.
 
     Parameters
@@ -230,7 +230,7 @@ def parse_request(body: Any, endpoint: str, request_id: str, backend: str = "xgr
         The response id; line ``k`` gets id ``f"{request_id}-{k}"``.
     backend : {"xgrammar", "llguidance"}
         The server's guided backend (tool grammars differ).
-    tool_format : ToolSetup or JsonCallFormat, optional
+    tool_format : ToolSetup or CallFormat, optional
         The server's call format (and whether its chat template renders
         tools, docs/tool-calls.md).  Default: hermes, tools in tpguide's prompt.
 

@@ -37,9 +37,9 @@ from tpguide.guided.reasoning import THINK_END, single_token_id
 from tpguide.guided.schema_check import check_valid_schema
 from tpguide.serving.errors import bad_request, unsupported
 from tpguide.serving.tool_answer import answer_error, answer_or_calls_guide
+from tpguide.serving.tool_formats.call_format import CallFormat
 from tpguide.serving.tool_formats.control_tokens import MarkerText
 from tpguide.serving.tool_formats.guide import plan_guide
-from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -67,7 +67,7 @@ class ToolPlan:
 
     mode: str
     tools: Tuple[FunctionTool, ...]
-    fmt: JsonCallFormat
+    fmt: CallFormat
     parallel: bool = True
     whitespace: str = "bounded"  # JSON whitespace mode of the arguments (tpguide.guided.params)
     #: auto only: an output without calls is a JSON answer valid for this schema (tpguide.serving.tool_answer)
@@ -111,7 +111,7 @@ def parse_tools(tools: Any) -> List[FunctionTool]:
     return out
 
 
-def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: JsonCallFormat,
+def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, fmt: CallFormat,
                whitespace: str = "bounded") -> Optional[ToolPlan]:
     """``tools`` + ``tool_choice`` -> a :class:`ToolPlan`, or None for no tool use.
 

@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tpguide.serving.tool_formats.call_format import CallFormat
 from tpguide.serving.tool_formats.control_tokens import find_controls
-from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 from tpguide.serving.tool_formats.table import FORMATS, hermes
 
 #: Format of each supported architecture when its chat template does not say.
@@ -55,7 +55,7 @@ class ToolSetup:
 
     Attributes
     ----------
-    fmt : JsonCallFormat
+    fmt : CallFormat
     template_tools : bool
         True: ``tools``, assistant ``tool_calls`` and ``tool`` messages go to
         the chat template as they are.  False: tpguide's own tool prompt (in
@@ -68,7 +68,7 @@ class ToolSetup:
         Whitespace in the arguments (the engine's ``--json-whitespace``).
     """
 
-    fmt: JsonCallFormat
+    fmt: CallFormat
     template_tools: bool = False
     prompt_role: str = "system"
     json_whitespace: str = "bounded"
@@ -206,7 +206,7 @@ def choose_tool_format(parser: str, architecture: str, tokenizer: Any, begin: Op
                      "system" if template_takes_system(tokenizer) else "user", json_whitespace)
 
 
-def with_controls(fmt: JsonCallFormat, tokenizer: Any) -> JsonCallFormat:
+def with_controls(fmt: CallFormat, tokenizer: Any) -> CallFormat:
     """``fmt`` knowing which of its markers are control tokens of ``tokenizer`` (forced and read as ids).
 
     Raises

@@ -33,8 +33,8 @@ import json
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tpguide.guided.params import MAX_BOUNDED_WHITESPACE, check_whitespace_mode
+from tpguide.serving.tool_formats.call_format import CallFormat
 from tpguide.serving.tool_formats.control_tokens import Controls, split_controls
-from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 from tpguide.serving.tool_formats.lark import structural_tag_to_lark
 
 #: ``max_whitespace_cnt`` of the arguments per JSON whitespace mode.
@@ -52,7 +52,7 @@ def _xgrammar_call_tag(model: str, name: str, parameters_json: str, most: Option
     return json.dumps(tag.model_dump(mode="json", exclude_none=True)["format"])
 
 
-def call_tag(fmt: JsonCallFormat, name: str, parameters: Dict[str, Any], whitespace: str = "bounded") -> Dict[str, Any]:
+def call_tag(fmt: CallFormat, name: str, parameters: Dict[str, Any], whitespace: str = "bounded") -> Dict[str, Any]:
     """The structural-tag ``tag`` of one call of ``name`` with arguments valid for ``parameters``.
 
     Raises
@@ -74,7 +74,7 @@ def call_tag(fmt: JsonCallFormat, name: str, parameters: Dict[str, Any], whitesp
     return tag
 
 
-def plan_structural_tag(fmt: JsonCallFormat, mode: str, tools: Sequence[Any], parallel: bool,
+def plan_structural_tag(fmt: CallFormat, mode: str, tools: Sequence[Any], parallel: bool,
                         whitespace: str = "bounded") -> Dict[str, Any]:
     """The structural tag for ``mode`` in {"auto", "required", "named"} over ``tools`` (``FunctionTool``)."""
     tags: List[Dict[str, Any]] = [call_tag(fmt, t.name, t.parameters, whitespace) for t in tools]
@@ -126,7 +126,7 @@ def tag_node(begin: str, content: Dict[str, Any], end: str, controls: Controls =
             "end": edge(tail[-1]) if tail else ""}
 
 
-def plan_guide(fmt: JsonCallFormat, mode: str, tools: Sequence[Any], parallel: bool, backend: str,
+def plan_guide(fmt: CallFormat, mode: str, tools: Sequence[Any], parallel: bool, backend: str,
                whitespace: str = "bounded") -> Dict[str, Any]:
     """The request line's ``structured_output``: the structural tag (xgrammar) or its Lark form (llguidance)."""
     tag = plan_structural_tag(fmt, mode, tools, parallel, whitespace)

@@ -20,63 +20,16 @@ import dataclasses
 import functools
 import json
 import re
-import secrets
-import string
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import regex
 
+from tpguide.serving.tool_formats.call_format import new_call_id
 from tpguide.serving.tool_formats.control_tokens import Controls, with_sentinels
+from tpguide.serving.tool_formats.scan import Scan, ScannedCall, prefix_hold
 
 _DECODER = json.JSONDecoder()
-
-
-@dataclass
-class ScannedCall:
-    """A call whose header is complete: ``arguments`` is its JSON text so far (all of it once ``complete``)."""
-
-    name: str
-    arguments: str
-    complete: bool
-    start: int  # where the call (or its list) starts in the text
-
-
-@dataclass
-class Scan:
-    """What a prefix of an output holds.
-
-    ``content`` is the text outside calls that can no longer start one (all
-    of it when ``final``); ``open_at`` is where an unfinished call or list
-    starts (None when there is none); ``syntax_tail`` counts the characters
-    at the end of a ``final`` scan's ``content`` that could begin a call
-    (``<tool_call`` cut by ``max_tokens``).
-    """
-
-    content: str
-    calls: List[ScannedCall] = field(default_factory=list)
-    open_at: Optional[int] = None
-    syntax_tail: int = 0
-
-    def answer_content(self, cut: bool = False) -> str:
-        """The content of a finished output: ``cut`` (it hit ``max_tokens``) drops a call opening cut short."""
-        if cut and self.syntax_tail:
-            return self.content[:len(self.content) - self.syntax_tail]
-        return self.content
-
-    def finished(self, cut: bool = False) -> Tuple[Optional[str], List[Tuple[str, str]]]:
-        """(content, complete calls) of a finished output (scanned with ``final=True``).
-
-        No call syntax is content: an unfinished call is dropped, and so is
-        the start of a call cut by ``max_tokens`` (``cut``); content is None
-        when only whitespace remains, and stripped beside calls or dropped syntax.
-        """
-        calls = [(c.name, c.arguments) for c in self.calls if c.complete]
-        content = self.answer_content(cut)
-        if not content.strip():
-            return None, calls
-        dropped = self.open_at is not None or (cut and self.syntax_tail)
-        return (content.strip() if calls or dropped else content), calls
 
 
 def _ws(literal: str) -> str:
@@ -87,7 +40,7 @@ def _ws(literal: str) -> str:
 
 @dataclass(frozen=True)
 class JsonCallFormat:
-    """A call syntax whose arguments are a JSON object (see the module docstring).
+    """A call syntax whose arguments are a JSON object (see the module docstring); a :class:`~tpguide.serving.tool_formats.call_format.CallFormat`.
 
     Attributes
     ----------
@@ -271,19 +224,3 @@ def _sentinel_view(fmt: JsonCallFormat) -> JsonCallFormat:
     return dataclasses.replace(fmt, call_open=view(fmt.call_open), call_close=view(fmt.call_close),
                                block_open=view(fmt.block_open), block_close=view(fmt.block_close),
                                trigger=view(fmt.trigger), controls=())
-
-
-def new_call_id(length: int = 0) -> str:
-    """``call_<24 hex>`` (OpenAI's form), or ``length`` alphanumerics (Mistral: 9)."""
-    if length:
-        alphabet = string.ascii_letters + string.digits
-        return "".join(secrets.choice(alphabet) for _ in range(length))
-    return f"call_{secrets.token_hex(12)}"
-
-
-def prefix_hold(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0

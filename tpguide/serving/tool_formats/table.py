@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict
 
+from tpguide.serving.tool_formats.call_format import CallFormat
 from tpguide.serving.tool_formats.json_calls import JsonCallFormat
 from tpguide.serving.tool_formats.xml_calls import XmlCallFormat
 
@@ -16,7 +17,7 @@ def hermes(begin: str = "<tool_call>", end: str = "</tool_call>") -> JsonCallFor
                           markers=(begin,))
 
 
-FORMATS: Dict[str, Union[JsonCallFormat, XmlCallFormat]] = {
+FORMATS: Dict[str, CallFormat] = {
     "hermes": hermes(),
     # Qwen3 writes hermes calls; xgrammar has the format ("qwen_3"), so its tags build the guide
     "qwen3": JsonCallFormat("qwen3", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n",

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from tpguide.serving.tool_formats.json_calls import Scan, ScannedCall, new_call_id, prefix_hold
+from tpguide.serving.tool_formats.call_format import new_call_id
+from tpguide.serving.tool_formats.scan import Scan, ScannedCall, prefix_hold
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -45,7 +46,7 @@ def _value(raw: str, schema: Any) -> Any:
 
 @dataclass(frozen=True)
 class XmlCallFormat:
-    """Qwen3-Coder calls (see the module docstring); the attributes mean what they mean in ``JsonCallFormat``."""
+    """Qwen3-Coder calls (see the module docstring); a :class:`~tpguide.serving.tool_formats.call_format.CallFormat`."""
 
     name: str = "qwen3_coder"
     trigger: str = "<tool_call>\n<function="
