@@ -27,6 +27,9 @@ _NAME = re.compile(r"(?<![\w./-])tpguide(?:\.[A-Za-z_]\w*)+")
 #: ``tpguide/kernels/`` (``csrc/``) or ``tests/``.  After ``<name>'s`` it is another project's file: not checked.
 _RELATIVE = re.compile(r"(?<!'s )(?<!'s `)`((?:[\w.-]+/)+[\w.*-]+\.(?:py|sh|c))`")
 _RELATIVE_BASES = ("", "tpguide", "tpguide/kernels", "tests")
+#: ``docs/architecture.md §7 "KV cache"``, ``docs/gpu.md, "Exactness on CUDA"``: a doc page, its numbered
+#: section(s) and a section title (a title cut by the end of a docstring line is checked as far as it goes).
+_SECTION = re.compile(r'(?<![\w/-])docs/([\w-]+\.md)((?:,? §\d+)*)(?:,? "([^"]+)(?:"|$))?')
 
 
 def pages(root: Path = ROOT) -> List[Path]:
@@ -69,6 +72,14 @@ def references(lines) -> Iterator[Tuple[int, str, str]]:
         for m in _RELATIVE.finditer(line):
             if not m.group(1).startswith("tpguide/"):
                 yield number, "relative path", m.group(1)
+        for m in _SECTION.finditer(line):
+            page, numbers, title = m.groups()
+            for n in re.findall(r"§(\d+)", numbers):
+                yield number, "section", f"docs/{page} §{n}"
+            if title:
+                yield number, "section", f'docs/{page} "{title.strip()}"'
+            if not numbers and not title:
+                yield number, "section", f"docs/{page}"
 
 
 def path_exists(ref: str, root: Path = ROOT) -> bool:
@@ -183,11 +194,44 @@ def name_exists(ref: str, root: Path = ROOT) -> bool:
     return False
 
 
+def _headings(page: Path) -> List[str]:
+    """The names of ``page``'s sections, outside fenced code: its headings, and bold labels that start a
+    paragraph or a bullet (``**Fixed-order reductions** (the default ...``)."""
+    out, inside = [], False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif not inside and re.match(r"^#{1,6} ", line):
+            out.append(line.lstrip("#").strip())
+        elif not inside:
+            out.extend(re.findall(r"^(?:[*-] )?\*\*([^*]+)\*\*", line))
+    return out
+
+
+def section_exists(ref: str, root: Path = ROOT) -> bool:
+    """Whether ``docs/x.md``, ``docs/x.md §N`` (a heading ``N. ...``) or ``docs/x.md "Title"`` exists.
+
+    A title matches a heading that starts with it, so a title cut at a line's
+    end (or shortened, "Speed on CUDA") still names its section.
+    """
+    page, _, where = ref.partition(" ")
+    if not (root / page).is_file():
+        return False
+    if not where:
+        return True
+    headings = _headings(root / page)
+    if where.startswith("§"):
+        return any(h.startswith(where[1:] + ". ") for h in headings)
+    title = where.strip('"')
+    return any(h.startswith(title) for h in headings)
+
+
 def broken_references(page: Path, root: Path = ROOT) -> List[str]:
     """``"file:line: kind 'ref' does not exist"`` for each reference of ``page`` that does not resolve."""
     broken = []
     for number, kind, ref in references(prose_lines(page)):
-        check = {"path": path_exists, "relative path": relative_path_exists, "name": name_exists}[kind]
+        check = {"path": path_exists, "relative path": relative_path_exists, "name": name_exists,
+                 "section": section_exists}[kind]
         ok = check(ref, root)
         if not ok:
             broken.append(f"{page.relative_to(root)}:{number}: {kind} {ref!r} does not exist")

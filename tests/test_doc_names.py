@@ -1,4 +1,6 @@
-"""Every ``tpguide/...`` path, quoted source path and ``tpguide.x.y`` name in README.md, docs/ and docstrings exists.
+"""Every ``tpguide/...`` path, quoted source path, ``tpguide.x.y`` name and ``docs/x.md §N "Title"`` exists.
+
+Checked in README.md, docs/*.md and the package's docstrings and comments.
 
 Read with ``ast`` (``tests/doc_names.py``): nothing of tpguide is imported.
 """
@@ -28,8 +30,12 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "class Config:\n    limit: int = 1\n    def check(self):\n        pass\nDEFAULT = Config()\n")
     (pkg / "other.py").write_text('"""A module."""\nfrom .config import Config\n')
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text("`tpguide/engine/config.py`, `engine/other.py`, `tpguide/engine/*.py`\n")
+    (tmp_path / "README.md").write_text(
+        "`tpguide/engine/config.py`, `engine/other.py`, `tpguide/engine/*.py`\n"
+        'docs/a.md §1 "Data parallel", docs/a.md, "Fixed-order reductions", docs/a.md "Fixed-order\n'
+        'docs/a.md §2, docs/a.md, "Gone", docs/gone.md\n')
     (tmp_path / "docs" / "a.md").write_text(
+        "## 1. Process\n### Data parallel\n```\n## 2. In code\n```\n**Fixed-order reductions** (the default)\n"
         "tpguide.engine.config.Config.check, tpguide.engine.other.Config.limit, tpguide.C.check, "
         "tpguide.engine.config.os.path.\n"
         "`tpguide/engine/gone.py` and tpguide.engine.config.Config.gone; `engine/gone.py` (nano-vllm's "
@@ -39,11 +45,14 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
                                    'tpguide.engine.other.Config.nope\n')
     assert name_exists("tpguide.engine.other.Config.check", tmp_path)
     assert [b for p in pages(tmp_path) for b in broken_references(p, tmp_path)] == [
-        "docs/a.md:2: path 'tpguide/engine/gone.py' does not exist",
-        "docs/a.md:2: name 'tpguide.engine.config.Config.gone' does not exist",
-        "docs/a.md:2: relative path 'engine/gone.py' does not exist",
-        "docs/a.md:3: name 'tpguide.engine.missing' does not exist",
-        "docs/a.md:3: name 'tpguide.engine.config.DEFAULT.limit' does not exist",
+        "README.md:3: section 'docs/a.md §2' does not exist",
+        "README.md:3: section 'docs/a.md \"Gone\"' does not exist",
+        "README.md:3: section 'docs/gone.md' does not exist",
+        "docs/a.md:8: path 'tpguide/engine/gone.py' does not exist",
+        "docs/a.md:8: name 'tpguide.engine.config.Config.gone' does not exist",
+        "docs/a.md:8: relative path 'engine/gone.py' does not exist",
+        "docs/a.md:9: name 'tpguide.engine.missing' does not exist",
+        "docs/a.md:9: name 'tpguide.engine.config.DEFAULT.limit' does not exist",
         "tpguide/engine/driver.py:1: name 'tpguide.engine.config.Gone' does not exist",
         "tpguide/engine/driver.py:2: name 'tpguide.engine.other.Config.nope' does not exist",
     ]

@@ -1,6 +1,6 @@
 """The grammar gate of a thinking request: its phase, its budget, and the bitmask rows it gets while it thinks.
 
-docs/reasoning.md, docs/architecture.md §5 "Reasoning".  While a request
+docs/reasoning.md, docs/architecture.md §5.  While a request
 thinks (from its first output token, unless its prompt closed the think
 block: :meth:`~tpguide.guided.reasoning.ReasoningParser.starts_thinking`)
 its matcher does not advance, and its rows are::

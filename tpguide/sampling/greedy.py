@@ -10,7 +10,7 @@ the same token ids, bad rows, logprobs (NaN, ``-inf`` on bad rows), empty
 top-logprob tensors and candidate count, bit for bit
 (``tests/test_sampler_greedy.py``).  A row is bad when its maximum is not
 finite (a NaN, ``+inf``, or every word masked to ``-inf``) or a padded id
-wins.  docs/architecture.md §6, "Sampling".
+wins.  docs/architecture.md §6, "Greedy steps without logprobs at tp 1".
 """
 
 from __future__ import annotations
