@@ -2,8 +2,11 @@
 
 Read statically (``ast``), never by importing: a dotted name resolves when its
 longest module prefix is a file or package of ``tpguide/`` and each remaining
-part is bound there (a ``def``, ``class``, assignment, annotated field or
-import at module or class level; an imported name is followed to its module).
+part is bound there (a ``def``, ``class``, assignment or annotated field at
+module or class level).  An imported name counts only where it is re-exported:
+in a package's ``__init__`` or a module's ``__all__``, followed to its module;
+``tpguide.engine.driver.StepFinisher`` (imported there, defined in
+``engine/finisher.py``) does not resolve.
 Used by ``tests/test_doc_names.py``.
 """
 
@@ -151,6 +154,15 @@ def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
     return ".".join(package + ([node.module] if node.module else []))
 
 
+def _exported(path: Path) -> set:
+    """The names in a module's ``__all__`` (a list or tuple of strings at module level), else none."""
+    for node in _tree(path).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            if isinstance(node.value, (ast.List, ast.Tuple)):
+                return {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
 def _resolve_in(module: str, parts: List[str], root: Path, depth: int = 0) -> bool:
     """Whether ``parts`` (attribute names) resolve inside module ``module``, following imports."""
     path = _module_file(module, root)
@@ -169,6 +181,8 @@ def _resolve_in(module: str, parts: List[str], root: Path, depth: int = 0) -> bo
         source, name = bound
         if not source.startswith("tpguide"):
             return True  # an outside module's name: its attributes are not ours to check
+        if path.name != "__init__.py" and parts[0] not in _exported(path):
+            return False  # a plain module's import is not its name: cite the module that defines it
         if name is None:
             return _resolve_in(source, parts[1:], root, depth + 1)
         return _resolve_in(source, [name, *parts[1:]], root, depth + 1)
