@@ -33,7 +33,8 @@ class CallFormat(Protocol):
     trigger : str
         The text that starts calls in free text (``tool_choice="auto"``).
     xgrammar_model : str or None
-        xgrammar's ``get_model_structural_tag`` key when xgrammar has this format.
+        xgrammar's ``get_model_structural_tag`` key when xgrammar has this
+        format: the guide's call tags are then taken from xgrammar.
     markers : tuple of str
         Strings in a chat template that show it writes this syntax.
     id_length : int

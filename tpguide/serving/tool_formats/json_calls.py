@@ -40,29 +40,15 @@ def _ws(literal: str) -> str:
 
 @dataclass(frozen=True)
 class JsonCallFormat:
-    """A call syntax whose arguments are a JSON object (see the module docstring); a :class:`~tpguide.serving.tool_formats.call_format.CallFormat`.
+    """A call syntax whose arguments are a JSON object (see the module docstring).
+
+    A :class:`~tpguide.serving.tool_formats.call_format.CallFormat`; its
+    attributes mean what the protocol's do, with two more precise here:
 
     Attributes
     ----------
-    name : str
-        The ``--tool-call-parser`` value.
-    call_open, call_close : str
-        Around each call's JSON object (hermes: the tags and newlines).
     args_key : str
         ``"arguments"`` or ``"parameters"`` (Llama 3.1).
-    separator : str
-        Between calls with ``tool_choice="required"`` (and inside a list).
-    block_open, block_close : str
-        Around the calls of a list format (``[TOOL_CALLS] [`` ... ``]``); empty otherwise.
-    trigger : str
-        The text that starts calls in free text (``tool_choice="auto"``).
-    xgrammar_model : str or None
-        xgrammar's ``get_model_structural_tag`` key when xgrammar has this
-        format: the guide's call tags are then taken from xgrammar.
-    markers : tuple of str
-        Strings in a chat template that show it writes this syntax.
-    id_length : int
-        0: OpenAI-style ids ``call_<24 hex>``; else that many alphanumerics (Mistral: 9).
     controls : tuple of (str, int)
         The markers of the format's literals that are control tokens of
         the tokenizer (Mistral's ``[TOOL_CALLS]``), with their ids
