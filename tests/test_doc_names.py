@@ -1,4 +1,4 @@
-"""Every ``tpguide/...`` path, quoted source path, ``tpguide.x.y`` name and ``docs/x.md §N "Title"`` exists.
+"""Every ``tpguide/...`` path, quoted source path, ``tpguide.x.y`` name, quoted ``Class.attr`` and section cited exists.
 
 Checked in README.md, docs/*.md and the package's docstrings and comments.
 
@@ -36,14 +36,16 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "config.py").write_text(
         "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpguide.engine import other\n"
-        "class Config:\n    limit: int = 1\n    def check(self):\n        pass\nDEFAULT = Config()\n")
+        "class Config:\n    limit: int = 1\n    def check(self):\n        self.ratio = 2\nDEFAULT = Config()\n"
+        "class Sub(Config):\n    pass\n")
     (pkg / "other.py").write_text('"""A module."""\nfrom .config import Config\nfrom .config import DEFAULT\n'
                                   '__all__ = ["Config"]\n')
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text(
         "`tpguide/engine/config.py`, `engine/other.py`, `tpguide/engine/*.py`\n"
         'docs/a.md §1 "Data parallel", docs/a.md, "Fixed-order reductions", docs/a.md "Fixed-order\n'
-        'docs/a.md §2, docs/a.md, "Gone", docs/gone.md\n')
+        'docs/a.md §2, docs/a.md, "Gone", docs/gone.md\n'
+        "`Config.check()`, `Config.gone`, `Missing`, vLLM's `Outside`, `SiluAndMul`, `Sub.limit`, `Sub.ratio`\n")
     (tmp_path / "docs" / "a.md").write_text(
         "## 1. Process\n### Data parallel\n```\n## 2. In code\n```\n**Fixed-order reductions** (the default)\n"
         "tpguide.engine.config.Config.check, tpguide.engine.other.Config.limit, tpguide.C.check, "
@@ -58,6 +60,8 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "README.md:3: section 'docs/a.md §2' does not exist",
         "README.md:3: section 'docs/a.md \"Gone\"' does not exist",
         "README.md:3: section 'docs/gone.md' does not exist",
+        "README.md:4: class name 'Config.gone' does not exist",
+        "README.md:4: class name 'Missing' does not exist",
         "docs/a.md:8: path 'tpguide/engine/gone.py' does not exist",
         "docs/a.md:8: name 'tpguide.engine.config.Config.gone' does not exist",
         "docs/a.md:8: relative path 'engine/gone.py' does not exist",
