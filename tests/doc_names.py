@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
 import doc_class_names
+import doc_file_symbols
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,10 @@ def prose_lines(page: Path) -> Iterator[Tuple[int, str]]:
 
 def references(lines) -> Iterator[Tuple[int, str, str]]:
     """(line number, kind, reference) of every path, name and section citation in ``lines`` (see the kinds below)."""
-    for number, line in lines:
+    lines = list(lines)
+    for i, (number, line) in enumerate(lines):
+        # a quoted name may follow its file on the next line of the paragraph
+        following = lines[i + 1][1] if i + 1 < len(lines) and lines[i + 1][0] == number + 1 else ""
         for m in _PATH.finditer(line):
             yield number, "path", m.group(0)
         for m in _NAME.finditer(line):
@@ -79,6 +83,8 @@ def references(lines) -> Iterator[Tuple[int, str, str]]:
                 yield number, "relative path", m.group(1)
         for ref in doc_class_names.references(line):
             yield number, "class name", ref
+        for ref in doc_file_symbols.references(line, following):
+            yield number, "name in file", ref
         for m in _SECTION.finditer(line):
             page, numbers, title = m.groups()
             for n in re.findall(r"§(\d+)", numbers):
@@ -100,6 +106,20 @@ def path_exists(ref: str, root: Path = ROOT) -> bool:
 def relative_path_exists(ref: str, root: Path = ROOT) -> bool:
     """Whether a relative source path names a file under one of :data:`_RELATIVE_BASES` of ``root``."""
     return any(path_exists(str(Path(base) / ref) if base else ref, root) for base in _RELATIVE_BASES)
+
+
+def source_file(ref: str, root: Path = ROOT) -> Optional[Path]:
+    """The file a quoted source path names (under one of :data:`_RELATIVE_BASES`), or None."""
+    for base in _RELATIVE_BASES:
+        path = root / base / ref
+        if path.is_file():
+            return path
+    return None
+
+
+def file_symbol_exists(ref: str, root: Path = ROOT) -> bool:
+    """Whether ``"path.py name"`` (a name quoted right after a source file) is bound in that file."""
+    return doc_file_symbols.symbol_exists(ref, root, source_file)
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,10 +268,11 @@ def broken_references(page: Path, root: Path = ROOT) -> List[str]:
     """``"file:line: kind 'ref' does not exist"`` for each reference of ``page`` that does not resolve."""
     broken = []
     for number, kind, ref in references(prose_lines(page)):
-        if kind == "class name" and page.name == "changelog.md":
+        if kind in ("class name", "name in file") and page.name == "changelog.md":
             continue  # history names what is gone
         check = {"path": path_exists, "relative path": relative_path_exists, "name": name_exists,
-                 "section": section_exists, "class name": doc_class_names.class_name_exists}[kind]
+                 "section": section_exists, "class name": doc_class_names.class_name_exists,
+                 "name in file": file_symbol_exists}[kind]
         ok = check(ref, root)
         if not ok:
             broken.append(f"{page.relative_to(root)}:{number}: {kind} {ref!r} does not exist")

@@ -45,7 +45,9 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "`tpguide/engine/config.py`, `engine/other.py`, `tpguide/engine/*.py`\n"
         'docs/a.md §1 "Data parallel", docs/a.md, "Fixed-order reductions", docs/a.md "Fixed-order\n'
         'docs/a.md §2, docs/a.md, "Gone", docs/gone.md\n'
-        "`Config.check()`, `Config.gone`, `Missing`, vLLM's `Outside`, `SiluAndMul`, `Sub.limit`, `Sub.ratio`\n")
+        "`Config.check()`, `Config.gone`, `Missing`, vLLM's `Outside`, `SiluAndMul`, `Sub.limit`, `Sub.ratio`\n"
+        "`engine/config.py` `Config.check`, `engine/config.py` (`DEFAULT`), `engine/other.py` (`Sub`, `x`), `engine/config.py`\n"
+        "  (`gone_next`)\n")
     (tmp_path / "docs" / "a.md").write_text(
         "## 1. Process\n### Data parallel\n```\n## 2. In code\n```\n**Fixed-order reductions** (the default)\n"
         "tpguide.engine.config.Config.check, tpguide.engine.other.Config.limit, tpguide.C.check, "
@@ -62,6 +64,8 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "README.md:3: section 'docs/gone.md' does not exist",
         "README.md:4: class name 'Config.gone' does not exist",
         "README.md:4: class name 'Missing' does not exist",
+        "README.md:5: name in file 'engine/other.py Sub' does not exist",
+        "README.md:5: name in file 'engine/config.py gone_next' does not exist",
         "docs/a.md:8: path 'tpguide/engine/gone.py' does not exist",
         "docs/a.md:8: name 'tpguide.engine.config.Config.gone' does not exist",
         "docs/a.md:8: relative path 'engine/gone.py' does not exist",
