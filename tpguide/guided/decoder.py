@@ -38,7 +38,7 @@ from tpguide.guided.bitmask import allocate_token_bitmask
 from tpguide.guided.draft_cursor import DraftCursor, drafting
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.slot_record import SlotRecord
+from tpguide.guided.slot_record import GuideFailure, SlotRecord
 from tpguide.guided.thinking import Thinking, ThinkingRows
 from tpguide.guided.verify_rows import fill_window_rows, record_cursor
 
@@ -143,6 +143,11 @@ class GuidedDecoder:
         record = self._records.get(slot)
         return record.failure if record is not None else None
 
+    def failure_kind(self, slot: int) -> Optional[GuideFailure]:
+        """The kind of ``slot``'s request's failure (:class:`GuideFailure`), else None."""
+        record = self._records.get(slot)
+        return record.failure_kind if record is not None else None
+
     # ---- verified tokens ---------------------------------------------------------
 
     def accept_token(self, slot: int, token_id: int) -> bool:
@@ -168,10 +173,10 @@ class GuidedDecoder:
         try:
             ok = record.matcher.accept_token(token_id)
         except Exception as exc:
-            record.failure = f"slot {slot}: matcher error on token {token_id}: {exc}"
+            record.fail(GuideFailure.MATCHER_ERROR, f"slot {slot}: matcher error on token {token_id}: {exc}")
             raise ValueError(record.failure) from exc
         if not ok:
-            record.failure = f"slot {slot}: grammar rejected token {token_id}"
+            record.fail(GuideFailure.REJECTED_TOKEN, f"slot {slot}: grammar rejected token {token_id}")
         return ok
 
     def rollback(self, slot: int, num_tokens: int) -> None:
@@ -287,9 +292,9 @@ class GuidedDecoder:
             row += 1 + len(drafts)
 
         dead_rows: List[int] = []
-        for slot, first, error in self._fill_windows(jobs, token_bitmask, token_mask, num_rows):
-            if error is not None:
-                self._records[slot].failure = error
+        for slot, first, failure in self._fill_windows(jobs, token_bitmask, token_mask, num_rows):
+            if failure is not None:
+                self._records[slot].fail(*failure)
                 token_bitmask[first] = -1
                 token_mask[first] = 0
                 dead_rows.append(first)
@@ -347,7 +352,7 @@ class GuidedDecoder:
 
     def _fill_windows(self, jobs: list, token_bitmask: torch.Tensor, token_mask: torch.Tensor,
                       num_rows: int) -> list:
-        """``(slot, first row, error)`` of each ``(slot, drafts, first row)`` job's window rows.
+        """``(slot, first row, failure)`` of each ``(slot, drafts, first row)`` job's window rows.
 
         In the fill threads when more than ``parallel_threshold`` rows are
         filled: each job touches its own matchers and rows only; results come
@@ -365,9 +370,9 @@ class GuidedDecoder:
         """:meth:`_fill_windows` of ``jobs``, one after the other."""
         results = []
         for slot, drafts, first in jobs:
-            error = fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
-                                     self._thinking_rows, self.padded_vocab_size)
-            results.append((slot, first, error))
+            failure = fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
+                                       self._thinking_rows, self.padded_vocab_size)
+            results.append((slot, first, failure))
         return results
 
     def close(self) -> None:
