@@ -227,7 +227,8 @@ class Driver:
                             if req.thinks else None)
                 with contained(req, "schedule"):
                     try:
-                        self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
+                        self.guided_decoder().add_request(s.slot, req.structured_output, thinking,
+                                                          compiled=req.compiled_guide)
                     except ValueError as exc:
                         req.fail(str(exc))
             inject_fault(req, "step")  # tests: a fault of the step itself, outside any request's containment

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -98,12 +98,14 @@ class GuidedDecoder:
     # ---- slots -----------------------------------------------------------------
 
     def add_request(self, slot: int, params: Optional[StructuredOutputsParams],
-                    thinking: Optional[Thinking] = None) -> None:
+                    thinking: Optional[Thinking] = None, compiled: Any = None) -> None:
         """Start ``slot``'s request from its grammar's initial state (``None``: unguided).
 
         ``thinking``: the request starts thinking (docs/reasoning.md); its
         grammar applies after ``</think>``.  An unguided request gets a
-        record only with ``thinking`` (its budget's rows).
+        record only with ``thinking`` (its budget's rows).  ``compiled``: the
+        guide as admission returned it (:func:`~tpguide.guided.admission.admit`);
+        None: ``backend.compile(params)`` (its cache; ``auto`` holds admitted guides only).
 
         Raises
         ------
@@ -117,7 +119,7 @@ class GuidedDecoder:
         matcher = None
         if params is not None:
             try:
-                matcher = self.backend.matcher(self.backend.compile(params))
+                matcher = self.backend.matcher(compiled if compiled is not None else self.backend.compile(params))
             except Exception as exc:
                 raise ValueError(f"slot {slot}: {exc}") from exc
         if thinking is not None and thinking.end_token_id not in self._thinking_rows:
