@@ -6,7 +6,7 @@ from :mod:`tpguide.guided.thinking` until ``</think>``, also inside a
 verify window, and grammar rows from the next row on.  Each step the engine (on the driver, tp_rank 0)::
 
     token_bitmask, token_mask, dead_rows = decoder.fill_bitmask_with_drafts(entries)
-    fail requests of dead_rows (decoder.failure_reason(slot)); split_bitmask; scatter
+    fail requests of dead_rows (decoder.failure_kind(slot), failure_reason(slot)); split_bitmask; scatter
     decoder.accept_token(slot, token)      # each verified output token (engine/finisher.py)
 
 The verify fill gives ``1 + k`` consecutive rows per request (``k``
