@@ -86,6 +86,20 @@ def test_admission_is_entered_at_most_twice_and_never_from_a_backend(tokenizer, 
         assert "llguidance:" in req.error
     else:
         assert not req.is_finished and req.guided_backend == admitted_by, (req.error, req.guided_backend)
+        assert req.compiled_guide.backend_name == admitted_by  # what the decoder makes the request's matcher from
+        assert req.compiled_guide is auto_backend.compile(req.structured_output)  # auto's cache holds the admission
     assert 1 <= len(entries) <= 2, entries
     assert [e for e in entries if e[0] == Path(AUTO_BACKEND).name] == [], entries
     assert entries[0][0] == "intake.py", entries
+
+
+def test_auto_compiles_only_through_admission(auto_backend):
+    from tpguide.guided.admission import admit
+    from tpguide.guided.params import StructuredOutputsParams
+
+    params = StructuredOutputsParams(json={"description": str(uuid.uuid4()), "type": "boolean"})
+    with pytest.raises(ValueError, match="not admitted under auto"):
+        auto_backend.compile(params)
+    name, admitted = admit(auto_backend, params)
+    assert (name, admitted.backend_name) == ("xgrammar", "xgrammar") and auto_backend.compile(params) is admitted
+    assert admit(auto_backend, params) == (name, admitted)  # the second admission: a lookup
