@@ -115,7 +115,7 @@ def shared_model_loads(enabled: bool = True) -> Iterator[Dict[tuple, object]]:
 
     ``tpguide.engine.build_engine`` imports ``load_model`` when called, so
     patching the loader module's attribute reaches it.  Each engine then
-    allocates its own KV pool on the shared model (``Engine.__init__``).
+    allocates its own KV pool on the shared model (``start_engine``, tpguide/engine/startup.py).
     ``enabled=False``: a no-op (every engine loads its weights).
     """
     from tpguide.model import loader

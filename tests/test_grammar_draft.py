@@ -10,6 +10,7 @@ from guided_testing import load_test_backend
 from tpguide.engine.drafting import draft_input_of
 from tpguide.engine.request import Request, SamplingParams
 from tpguide.guided import StructuredOutputsParams, make_backend, token_ids_to_bitmask_row
+from tpguide.guided.admission import admit
 from tpguide.guided.bitmask import single_allowed_token
 from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.llguidance_backend import complete_utf8_prefix
@@ -229,7 +230,7 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
     params = StructuredOutputsParams.from_request({"json": SCHEMA})
     xgrammar = backend.backends["xgrammar"]
     decoder = GuidedDecoder(backend, VOCAB, 8)
-    decoder.add_request(1, params)
+    decoder.add_request(1, params, compiled=admit(backend, params)[1])  # as the engine: the admitted guide
     guides = len(xgrammar._cache)
     text = '{\n  "name": "Al",\n'
     for token in encode(tokenizer, text):
@@ -250,6 +251,7 @@ def test_layouts_are_compiled_with_the_guide_and_skipped_where_the_guide_forces_
     assert all(layouts.cached(params, layout) is not None for layout in ("indent2", "compact"))
     with pytest.raises(ValueError, match="no 'indent9' JSON layout"):
         layouts.compile(params, "indent9")
-    decoder.add_request(0, StructuredOutputsParams.from_request({"json": SCHEMA, "json_whitespace": "compact"}))
+    compact = StructuredOutputsParams.from_request({"json": SCHEMA, "json_whitespace": "compact"})
+    decoder.add_request(0, compact, compiled=admit(backend, compact)[1])
     req = _layout_request(0, "", tokenizer, whitespace="compact")
     assert drafter.propose(decoder, 0, 8, req) == drafter.draft_tokens('{"name":"', 8)  # the guide's own text

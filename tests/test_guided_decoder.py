@@ -6,6 +6,7 @@ from guided_testing import load_test_backend
 
 from tpguide.guided import GuidedDecoder, StructuredOutputsParams
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
+from tpguide.guided.slot_record import GuideFailure
 
 PADDED_VOCAB_SIZE = 49280
 WORDS = PADDED_VOCAB_SIZE // 32
@@ -82,6 +83,7 @@ def test_rejected_token_and_bad_guide(backend, tokenizer):
     bad_token = encode(tokenizer, "blue")[0]
     assert not decoder.accept_token(1, bad_token)
     assert f"slot 1: grammar rejected token {bad_token}" == decoder.failure_reason(1)
+    assert decoder.failure_kind(1) is GuideFailure.REJECTED_TOKEN
     with pytest.raises(ValueError, match=rf"slot 4: {backend.name} cannot compile this regex"):
         decoder.add_request(4, StructuredOutputsParams(regex="(unclosed"))
     assert not decoder.is_guided(4)
@@ -155,8 +157,10 @@ def test_dead_end_and_matcher_errors_fail_only_their_rows():
     assert (token_bitmask == -1).all()
     assert "slot 0: grammar dead end" in decoder.failure_reason(0) and "49157" in decoder.failure_reason(0)
     assert "slot 1: matcher error while filling the bitmask: boom on fill" == decoder.failure_reason(1)
+    assert (decoder.failure_kind(0), decoder.failure_kind(1)) == (GuideFailure.DEAD_END, GuideFailure.MATCHER_ERROR)
     with pytest.raises(ValueError, match="slot 0: matcher error on token 7: boom on accept"):
         decoder.accept_token(0, 7)
+    assert decoder.failure_kind(0) is GuideFailure.MATCHER_ERROR
     with pytest.raises(ValueError, match="guide type 'choice' is not supported by the fake backend"):
         decoder.add_request(3, CHOICE)
 

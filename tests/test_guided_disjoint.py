@@ -4,10 +4,11 @@ import itertools
 
 import pytest
 
-from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
+from tpguide.guided.admission import GuideRefused, check_enforceable
 from tpguide.guided.disjoint import one_of_branches_disjoint
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import validator_for_schema
+from tpguide.guided.schema_keywords import unenforced_keywords
 
 _INT, _STR = {"type": "integer"}, {"type": "string"}
 KIND_A = {"type": "object", "properties": {"kind": {"const": "a"}, "x": _INT}, "required": ["kind"]}

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
+from tpguide.guided.admission import GuideRefused, check_enforceable
 from tpguide.guided.enforcement import MEASURED, NOT_ENFORCED, TABLE_BACKENDS, format_table, measure_backend
 from tpguide.guided.keyword_cases import KEYWORD_CASES, keyword_key
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import validator_for_schema
+from tpguide.guided.schema_keywords import unenforced_keywords
 
 GUARANTEES = Path(__file__).resolve().parents[1] / "docs" / "guarantees.md"
 

@@ -8,6 +8,7 @@ from guided_testing import metaspace_tokenizer, write_id_gap_tokenizer
 from tpguide.dist import TPGroup
 from tpguide.engine import EngineConfig, generate_on_group
 from tpguide.guided import make_backend
+from tpguide.guided.admission import admit
 from tpguide.guided.bitmask import allocate_token_bitmask, unpack_bitmask
 from tpguide.guided.enforcement import matcher_accepts_text
 from tpguide.guided.params import StructuredOutputsParams
@@ -82,6 +83,7 @@ def test_llguidance_refuses_u2581_on_a_metaspace_tokenizer(sp_backends, params):
 def test_xgrammar_and_auto_run_u2581_with_a_consistent_mask(sp_backends):
     tokenizer, backends = sp_backends
     params = GUIDES[0]
+    assert admit(backends["auto"], params)[0] == "xgrammar"  # auto's matchers come from its admitted guides
     for name in ("xgrammar", "auto"):
         backend = backends[name]
         allowed = _first_mask(backend, params)
@@ -90,7 +92,7 @@ def test_xgrammar_and_auto_run_u2581_with_a_consistent_mask(sp_backends):
             assert backend.matcher(backend.compile(params)).accept_token(token_id)
         ids = tokenizer.convert_tokens_to_ids(["<0xE2>", "<0x96>", "<0x81>", "dog"])
         assert matcher_accepts_text(backend.matcher(backend.compile(params)), ids, 2)
-    assert backends["auto"].compile(params).backend_name == "xgrammar"
+    assert backends["auto"].compile(params).backend_name == "xgrammar"  # the admission, from auto's cache
 
 
 def test_llguidance_keeps_real_spaces_on_a_metaspace_tokenizer(sp_backends):

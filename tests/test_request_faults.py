@@ -18,8 +18,9 @@ from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_faults import REQUEST_FAULT_ENV, InjectedFault
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.engine.text_check import MAX_JSON_DEPTH, check_unicode, find_invalid_text
-from tpguide.guided.admission import GuideRefused, check_enforceable, unenforced_keywords
+from tpguide.guided.admission import GuideRefused, check_enforceable
 from tpguide.guided.params import StructuredOutputsParams
+from tpguide.guided.schema_keywords import unenforced_keywords
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 MARKER = "FAULT-HERE"

@@ -69,8 +69,9 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
     import torch.distributed as dist
 
     from tpguide.dist import group as C
-    from tpguide.engine import Engine, EngineConfig
+    from tpguide.engine import EngineConfig
     from tpguide.engine.request_io import parse_request_lines
+    from tpguide.engine.startup import start_engine
     from tpguide.model.loader import load_model
     from tpguide.model.tokenizer_facts import collect_stop_token_ids, producible_vocab_size
 
@@ -100,7 +101,8 @@ def _all_tp_sizes(group, model_dirs, prompt_ids):
                 meta = AttentionMetadata.from_lists([0], [len(ids)], [0])
                 shards.append(model.compute_logits(model(torch.tensor(ids), meta.token_positions, meta)))
             shard = torch.cat(shards)  # [P + SHORT, V/t]
-            engine = Engine(model, g, config, tokenizer=tokenizer if g.is_driver else None, stop_token_ids=stop_ids)
+            engine = start_engine(model, g, config, tokenizer=tokenizer if g.is_driver else None,
+                                  stop_token_ids=stop_ids)
             outputs = None
             if g.is_driver:
                 requests = parse_request_lines([json.dumps(r) for r in _requests()], 64)

@@ -23,8 +23,9 @@ import pytest
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
 from tpguide.dist.spawn import run_at_tp_size
-from tpguide.engine import Engine, EngineConfig, build_engine
+from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
+from tpguide.engine.startup import start_engine
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
           "required": ["ok", "n"]}
@@ -102,4 +103,4 @@ def test_weak_drafter_equals_plain(reference, tiny_model_path, tp_size):
 def test_engine_needs_a_draft_head_exactly_with_draft_head_method(tiny_model_path):
     engine = build_engine(TPGroup(), tiny_model_path, EngineConfig(**BASE))
     with pytest.raises(ValueError, match="draft head is needed"):
-        Engine(engine.model, engine.group, PERFECT, tokenizer=engine.driver.tokenizer)
+        start_engine(engine.model, engine.group, PERFECT, tokenizer=engine.driver.tokenizer)

@@ -8,10 +8,10 @@ speculator; requests reach it through :class:`~tpguide.engine.intake.Intake`
 
     scheduled = driver.schedule_step()                # drafts proposed, then scheduled (engine/drafting.py)
     planned = driver.plan_step(scheduled, <draft-head drafts>)  # a PlannedStep value (engine/planner.py)
-    filled  = driver.fill_bitmask(planned)            # in a thread, while the forward runs
+    fill    = driver.fill_bitmask(planned)            # a BitmaskFill, in a thread, while the forward runs
     forward = runner.execute_model(planned.plan)      # every rank (tpguide/worker/runner.py)
-    result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(filled, tp_size))
-    outputs = driver.finish_step(planned, result, filled)       # StepFinisher (engine/finisher.py)
+    result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(fill, tp_size))
+    outputs = driver.finish_step(planned, result, fill)         # StepFinisher (engine/finisher.py)
 
 Everything here fails per request: a dead end or a matcher error finishes
 that request with ``finish_reason="error"`` and a message, and the rest of
@@ -43,8 +43,8 @@ from tpguide.speculative.verify import Speculator
 from tpguide.worker.protocol import BitmaskSlices, StepResult
 
 
-class Filled(NamedTuple):
-    """One bitmask fill of the driver: full rows, which rows are guided, and the rows whose fill failed."""
+class BitmaskFill(NamedTuple):
+    """One step's bitmask fill on the driver: full rows, which rows are guided, and the rows whose fill failed."""
 
     token_bitmask: torch.Tensor  # int32 [R, bitmask_size]
     token_mask: torch.Tensor  # int32 [R]; 0 on a failed row
@@ -87,7 +87,7 @@ class Driver:
         self.reasoning = reasoning
         self.config = config
         self.padded_vocab_size = padded_vocab_size
-        self.guided: Optional[GuidedDecoder] = None  # built on the first guided request (takes a few seconds)
+        self.guided: Optional[GuidedDecoder] = None  # built by guided_decoder(), at start-up (engine/startup.py)
         self.spec: Optional[Speculator] = None  # drafting and verification, with speculative decoding
         if config.speculative_method is not None:
             grammar = None
@@ -119,7 +119,8 @@ class Driver:
 
     # ------------------------------------------------------------ admission
     def guided_decoder(self) -> GuidedDecoder:
-        """The matchers (built with the backend on first use)."""
+        """The matchers and their backend: built on the first call, which engine start-up makes
+        (:func:`~tpguide.engine.startup.start_engine`, in its grammar-tables thread: a few seconds)."""
         if self.guided is None:
             backend = make_backend(self.config.guided_backend, self.tokenizer, self.padded_vocab_size,
                                    sorted(self.stop_token_ids), json_whitespace=self.config.json_whitespace)
@@ -226,7 +227,8 @@ class Driver:
                             if req.thinks else None)
                 with contained(req, "schedule"):
                     try:
-                        self.guided_decoder().add_request(s.slot, req.structured_output, thinking)
+                        self.guided_decoder().add_request(s.slot, req.structured_output, thinking,
+                                                          compiled=req.compiled_guide)
                     except ValueError as exc:
                         req.fail(str(exc))
             inject_fault(req, "step")  # tests: a fault of the step itself, outside any request's containment
@@ -249,31 +251,31 @@ class Driver:
         self.num_steps += 1
         return planned_step_of(self.num_steps, with_head_drafts(scheduled, head_drafts))
 
-    def fill_bitmask(self, planned: PlannedStep) -> Filled:
+    def fill_bitmask(self, planned: PlannedStep) -> BitmaskFill:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
         token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
         forced = find_single_token_rows(token_bitmask, token_mask)
-        return Filled(token_bitmask, token_mask, list(failed), frozenset(forced))
+        return BitmaskFill(token_bitmask, token_mask, list(failed), frozenset(forced))
 
     @staticmethod
-    def bitmask_slices(filled: Filled, tp_size: int) -> BitmaskSlices:
+    def bitmask_slices(fill: BitmaskFill, tp_size: int) -> BitmaskSlices:
         """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
-        return BitmaskSlices(filled.token_mask, split_bitmask(filled.token_bitmask, tp_size))
+        return BitmaskSlices(fill.token_mask, split_bitmask(fill.token_bitmask, tp_size))
 
     def finish_step(self, planned: PlannedStep, result: StepResult,
-                    filled: Optional[Filled] = None, finished_only: bool = False) -> List[RequestOutput]:
+                    fill: Optional[BitmaskFill] = None, finished_only: bool = False) -> List[RequestOutput]:
         """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
 
-        ``filled``: the step's bitmask fill (:meth:`fill_bitmask`), None for an unguided step.
+        ``fill``: the step's bitmask fill (:meth:`fill_bitmask`), None for an unguided step.
         ``finished_only``: only the finished requests' outputs; a running
         request's new tokens are marked reported without an output
         (:meth:`~tpguide.engine.engine.Engine.step`).
         """
         self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, filled.dead_end_rows if filled is not None else (),
-                             filled.forced_rows if filled is not None else frozenset())
+        self.finisher.finish(planned, result, self.guided, fill.dead_end_rows if fill is not None else (),
+                             fill.forced_rows if fill is not None else frozenset())
         outputs = []
         for s in planned.scheduled:
             req = s.request

@@ -17,11 +17,11 @@ and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
     driver   schedule   Driver.schedule_step: drafts proposed, then scheduled (engine/drafting.py)
              [draft-head drafting loop, collective: HeadDrafting] (speculative/draft_loop.py)
              plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
-             fill       Driver.fill_bitmask, in a thread -> Filled (engine/driver.py)
+             fill       Driver.fill_bitmask, in a thread -> BitmaskFill (engine/driver.py)
              broadcast  the STEP message
     all      forward    StepRunner.execute_model(plan) -> ForwardOutput  (worker/runner.py)
-             sample     StepRunner.sample_tokens(plan, forward, the filled slices) -> StepResult
-    driver   finish     Driver.finish_step(planned, result, filled) -> outputs (engine/finisher.py)
+             sample     StepRunner.sample_tokens(plan, forward, the fill's slices) -> StepResult
+    driver   finish     Driver.finish_step(planned, result, fill) -> outputs (engine/finisher.py)
 
 The driver waits for the fill between the forward and the sampling; the
 other ranks run the same two phases (:meth:`StepRunner.execute`), with the
@@ -34,30 +34,24 @@ to the other ranks as an ABORT message (they raise
 step it is re-raised and the process must exit (:mod:`tpguide.worker.faults`).
 
 Offline batch generation is a loop over the same API: :meth:`Engine.generate`
-runs a list of requests to completion.  :func:`~tpguide.engine.startup.build_engine`
-loads this rank's model shard (and the driver's tokenizer) and builds the
-engine; :func:`~tpguide.engine.offline.generate_on_group` runs request lines
-on a group.
+runs a list of requests to completion.  Start-up is not here:
+:func:`~tpguide.engine.startup.build_engine` loads this rank's model shard
+(and the driver's tokenizer) and :func:`~tpguide.engine.startup.start_engine`
+builds the driver, the step runner and the KV pool the engine receives;
+:func:`~tpguide.engine.offline.generate_on_group` runs request lines on a group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
-
-import torch
+from typing import Callable, List, Optional
 
 from tpguide.dist import TPGroup
 from tpguide.dist import group as C
-from tpguide.engine.config import EngineConfig, step_capacity
+from tpguide.engine.config import EngineConfig
 from tpguide.engine.driver import Driver
-from tpguide.engine.kv_pool_size import kv_pool_num_blocks, report_kv_pool
 from tpguide.engine.request import Request, RequestOutput
-from tpguide.guided.schema_check import import_jsonschema
-from tpguide.model.invariant_reduce import prepack_weights
 from tpguide.speculative.draft_loop import HeadDrafting
 from tpguide.worker.protocol import Message
 from tpguide.worker.runner import StepRunner
@@ -65,94 +59,35 @@ from tpguide.worker.runner import StepRunner
 __all__ = ["Engine"]
 
 
-# ---------------------------------------------------------------------- the engine API
-
-def _one_openmp_thread() -> None:
-    """Initializer of the bitmask-fill thread: its torch ops run on one OpenMP thread.
-
-    A parallel torch op there (a verify step's bitmask rows) would start a
-    second OpenMP team, and with more OpenMP threads than cores libgomp stops
-    spinning, so the forward's workers sleep between kernels and each kernel
-    waits for a wake-up (the vLLM fixtures at 2 threads on 2 cores: 15.0 s ->
-    8.8 s).  ``omp_set_num_threads`` sets this thread's value only; torch's
-    ``set_num_threads`` would also change what threads started later inherit.
-    """
-    torch.get_num_threads()  # torch's per-thread lazy init first, so it does not undo the call below
-    omp_set_num_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
-    if omp_set_num_threads is not None:  # libgomp / libomp loaded with torch
-        omp_set_num_threads(1)
-
-
-def _prepare_guided(driver: Driver) -> None:
-    """Start-up work of the guided path, off the first request: the backend's tables, the grammar
-    drafter's tables and the schema validator."""
-    decoder = driver.guided_decoder()
-    if driver.spec is not None and driver.spec.grammar_drafter is not None:
-        driver.spec.grammar_drafter.warm_up(decoder.backend)
-    import_jsonschema()
-
-
 class Engine:
-    """Generation over one TP group.  Build it on every rank with the same arguments.
+    """Generation over one TP group: the step loop, on pieces built at start-up.
+
+    Built on every rank by :func:`~tpguide.engine.startup.start_engine`
+    (or :func:`~tpguide.engine.startup.build_engine` from a model directory),
+    which does the start-up work (KV pool, grammar tables, packed weights,
+    CUDA-graph report) and hands the engine its pieces.
 
     Parameters
     ----------
     model : LlamaForCausalLM
-        This rank's shard (see :func:`tpguide.model.loader.load_model`).
+        This rank's shard, its KV pool allocated.
     group : TPGroup
     config : EngineConfig
-    tokenizer : transformers tokenizer, optional
-        Needed on the driver only.
-    stop_token_ids : sequence of int, optional
-        Every end token of the model and its chat template (driver only).
+    driver : Driver or None
+        The driver's requests, matchers and step phases (tp_rank 0); None on the other ranks.
+    runner : StepRunner
+        This rank's step execution.
+    pool : ThreadPoolExecutor
+        One thread: the bitmask fill, while the forward runs.
     draft_head : DraftHead, optional
-        This rank's drafter; required with ``speculative_method="draft-head"``.
-    reasoning : ReasoningParser, optional
-        The think-block tokens (driver only; docs/reasoning.md); None: off.
-
-    Raises
-    ------
-    ValueError
-        ``draft-head`` speculation without a draft head; no tokenizer on the driver.
+        This rank's drafter (``speculative_method="draft-head"``).
     """
 
-    def __init__(self, model, group: TPGroup, config: EngineConfig, tokenizer=None,
-                 stop_token_ids: Optional[Sequence[int]] = None, draft_head=None, reasoning=None) -> None:
-        if (config.speculative_method == "draft-head") != (draft_head is not None):
-            raise ValueError(f"a draft head is needed exactly with speculative_method='draft-head', got "
-                             f"speculative_method={config.speculative_method!r} and draft_head={draft_head!r}")
+    def __init__(self, model, group: TPGroup, config: EngineConfig, *, driver: Optional[Driver],
+                 runner: StepRunner, pool: ThreadPoolExecutor, draft_head=None) -> None:
         self.model, self.group, self.config = model, group, config
+        self.driver, self.runner, self._pool = driver, runner, pool
         self.draft_head = draft_head
-        if group.is_driver and tokenizer is None:
-            raise ValueError("the driver needs a tokenizer")
-        num_blocks, source = kv_pool_num_blocks(model, group, config)
-        self.driver: Optional[Driver] = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask", initializer=_one_openmp_thread)
-        grammar_tables = None
-        if group.is_driver:
-            self.driver = Driver(tokenizer, list(stop_token_ids or []), model.vocab_shard.padded_vocab_size, config,
-                                 num_blocks, reasoning=reasoning)
-            # the grammar backends' tokenizer tables (xgrammar's TokenizerInfo, llguidance's tokenizer: about a
-            # second) are built now, beside the KV pool's allocation, not in the first guided request
-            grammar_tables = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-tables")
-            building = grammar_tables.submit(_prepare_guided, self.driver)
-        model.allocate_kv_cache(num_blocks, config.block_size, config.max_model_len)  # once, for the engine's life
-        prepack_weights(model)  # the fixed-order kernels' packed weights: start-up work, not the first request's
-        if group.is_driver:
-            report_kv_pool(num_blocks, model.kv_cache_block_bytes(config.block_size), config.block_size, source,
-                           getattr(group, "rank", 0))
-        self.runner = StepRunner(model, group, draft_head, capacity=step_capacity(config),
-                                 cuda_graphs=config.cuda_graphs,
-                                 static_inputs=group.device.type == "cuda" and config.cuda_graphs)
-        if group.is_driver and group.device.type == "cuda":
-            graphs = self.runner.graphs
-            state = (f"on (buckets up to {graphs.buckets[-1]} tokens, each captured on first use, its first "
-                     f"{self.runner.fast_path_check.steps} steps checked against the eager step)" if graphs
-                     else f"off ({self.runner.graphs_off_reason or '--no-cuda-graphs'})")
-            print(f"[rank {getattr(group, 'rank', 0)}] CUDA graphs: {state}", file=sys.stderr, flush=True)
-        if grammar_tables is not None:
-            building.result()
-            grammar_tables.shutdown()
 
     # ------------------------------------------------------------------ driver API
     def add_request(self, request: Request) -> None:
@@ -232,18 +167,18 @@ class Engine:
             scheduled = drv.schedule_step()  # the drafting phase, then the scheduler
             if not scheduled:
                 return outputs
-        with self._between_steps(inside=self.draft_head is not None):  # the drafting loop runs collectives
+        with self._between_steps(runs_collectives=self.draft_head is not None):  # the drafting loop's
             head_drafts = self._draft_with_head(drv, scheduled) if self.draft_head is not None else None
             planned = drv.plan_step(scheduled, head_drafts)
-            filling = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
+            fill_job = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
             C.broadcast_object(Message.for_step(planned.plan), self.group)
         # inside the step: an error ends the process
-        forward = self.runner.execute_model(planned.plan)  # the fill overlaps the forward
-        filled = filling.result() if filling is not None else None
-        bitmask = drv.bitmask_slices(filled, self.group.tp_size) if filled is not None else None
-        result = self.runner.sample_tokens(planned.plan, forward, bitmask)
+        forward = self.runner.execute_model(planned.plan)  # the fill job overlaps the forward
+        fill = fill_job.result() if fill_job is not None else None  # BitmaskFill
+        result = self.runner.sample_tokens(planned.plan, forward,
+                                           drv.bitmask_slices(fill, self.group.tp_size) if fill is not None else None)
         with self._between_steps():
-            return outputs + drv.finish_step(planned, result, filled, finished_only)
+            return outputs + drv.finish_step(planned, result, fill, finished_only)
 
     def _draft_with_head(self, drv: Driver, scheduled) -> List[List[int]]:
         """The draft-head drafting loop (a collective): a DRAFT message per iteration, every rank drafts."""
@@ -308,15 +243,18 @@ class Engine:
         return [final[i] for i in indices]
 
     @contextlib.contextmanager
-    def _between_steps(self, inside: bool = False):
+    def _between_steps(self, runs_collectives: bool = False):
         """Driver code between steps: an exception is sent to the waiting ranks as ABORT, then re-raised.
 
-        ``inside``: the code runs collectives after all (no ABORT could be matched): only re-raise.
+        ``runs_collectives``: the block itself runs collectives (the draft-head
+        drafting loop), so the other ranks are not waiting for a message and
+        an ABORT could not be matched: the exception is only re-raised (and
+        ends the process, as one inside a step).
         """
         try:
             yield
         except Exception as exc:
-            if not inside:
+            if not runs_collectives:
                 C.broadcast_object(Message.abort(exc), self.group)
             raise
 

@@ -1,10 +1,12 @@
 """Finishing a step: (planned step, step result, dead-end rows) -> appended tokens and the stop checks (driver only).
 
-docs/architecture.md §5.  Once per step, finished
-requests, once per step.  In order:
+docs/architecture.md §1 ("One step, stage by stage", 9) and §5.  :meth:`Driver.finish_step
+<tpguide.engine.driver.Driver.finish_step>` calls :meth:`StepFinisher.finish`
+once per step, then reports the requests that changed or finished.  In order:
 
-1. guided rows whose bitmask fill failed (a dead end, or a matcher that
-   raised, each with its own reason) fail their request;
+1. guided rows whose bitmask fill failed fail their request, by the slot
+   record's :class:`~tpguide.guided.slot_record.GuideFailure` (a dead end,
+   or a matcher that raised, with its message);
 2. every scheduled request advances ``num_computed_tokens``; a request whose
    sample is used gets its token (plain decode) or its verified window
    (speculative: ``d_1 .. d_a, y_a`` from :meth:`Speculator.verify`), each
@@ -28,6 +30,7 @@ from tpguide.engine.planner import PlannedStep
 from tpguide.engine.request import Request
 from tpguide.engine.request_faults import contained
 from tpguide.engine.stop_strings import find_stop_string
+from tpguide.guided.slot_record import GuideFailure
 from tpguide.worker.protocol import StepResult
 
 
@@ -111,10 +114,10 @@ class StepFinisher:
     # ------------------------------------------------------------------ failures
     @staticmethod
     def _fail_guided_row(req: Request, guided, step: int) -> None:
-        reason = guided.failure_reason(req.slot) if guided is not None else None
-        if reason is not None and "dead end" not in reason:  # the matcher raised: say so, with its reason
+        """Fail the request whose row 0 the fill could not fill, by the record's :class:`GuideFailure`."""
+        if guided is not None and guided.failure_kind(req.slot) is GuideFailure.MATCHER_ERROR:  # say so, and why
             req.fail(f"grammar matcher failed at step {step} after {len(req.output_token_ids)} generated "
-                     f"tokens: {reason}")
+                     f"tokens: {guided.failure_reason(req.slot)}")
         else:
             req.fail(f"grammar dead end at step {step}: no token is allowed after "
                      f"{len(req.output_token_ids)} generated tokens")

@@ -194,7 +194,8 @@ class Intake:
             req = self._arrivals.popleft()
             result, error = self._compiled.pop(req.index, (None, None))
             if error is None:
-                req.guided_backend = result[0] if result is not None else None
+                if result is not None:  # (backend name, compiled) from admit()
+                    req.guided_backend, req.compiled_guide = result
                 admitted.append(req)
             else:
                 req.fail(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")

@@ -31,8 +31,8 @@ import torch
 
 import tpguide
 from tpguide.engine.request import Request, RequestOutput
-from tpguide.guided.admission import unenforced_keywords
 from tpguide.guided.guide_hash import guide_hash
+from tpguide.guided.schema_keywords import unenforced_keywords
 
 __all__ = ["NOT_AFFECTING_BITS", "RECEIPT_VERSION", "ReceiptContext", "build_receipt", "engine_section",
            "logprobs_hash", "request_line", "strip_not_affecting", "token_ids_hash"]

@@ -204,6 +204,7 @@ class Request:
     num_reported_tokens: int = 0
     stop_text_cut: Optional[int] = None  # output text length when a stop string finished the request
     guided_backend: Optional[str] = None  # the backend admission chose (tpguide/guided/admission.py)
+    compiled_guide: Any = None  # and the guide as it admitted it: what the decoder's matchers are made from
     thinks: bool = False  # set at admission: it starts inside a think block (docs/reasoning.md)
     detokenized: Optional[DetokenizeState] = None  # the unfinished output's text so far (engine/outputs.py)
     post_check: Optional[str] = None  # "passed" / "failed": the guided "stop" output's validation (engine/outputs.py)

@@ -1,11 +1,15 @@
-"""``--guided-backend auto``: per request, the first backend that can guarantee the guide (:class:`AutoBackend`).
+"""``--guided-backend auto``: xgrammar and llguidance behind one name, matchers from the backend that admitted the guide.
 
-docs/architecture.md §5.  Order: xgrammar (precomputed masks, the faster matcher), then llguidance.  A
-backend is taken when it enforces every keyword the schema uses, compiles the
-guide, and its first mask allows a token (:func:`~tpguide.guided.admission.admit`).
-If neither can, the request is refused with both reasons.  The choice is a
-pure function of the guide, its options (``strict``, the whitespace mode) and
-the installed backends, so every run makes the same one; it is cached under
+docs/architecture.md §5.  :class:`AutoBackend` holds the backends, the
+order they are tried in (:meth:`AutoBackend.candidates`: xgrammar, with
+precomputed masks and the faster matcher, then llguidance), the admitted
+guides (its cache) and the matcher dispatch.  It does not admit:
+:func:`~tpguide.guided.admission.admit` tries the candidates in order and
+takes the first that enforces every keyword the schema uses, compiles the
+guide, and whose first mask allows a token; if none can, the request is
+refused with each reason.  The choice is a pure function of the guide, its
+options (``strict``, the whitespace mode) and the installed backends, so
+every run makes the same one; it is cached under
 :meth:`~tpguide.guided.matcher.GuidedBackend.cache_key`, which holds them all.
 Only the driver chooses (the other ranks never see grammars).  The output
 line names the backend that ran (``"guided_backend"``).
@@ -20,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from tpguide.guided.admission import GuideRefused, admit
 from tpguide.guided.matcher import GrammarMatcher, GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
 
@@ -33,7 +36,7 @@ AUTO_ORDER = ("xgrammar", "llguidance")
 
 @dataclass(frozen=True)
 class AutoCompiled:
-    """A guide compiled by the backend :class:`AutoBackend` chose."""
+    """A guide admitted under ``auto``: the backend that runs it and its compiled form there."""
 
     backend_name: str
     backend: GuidedBackend
@@ -41,7 +44,7 @@ class AutoCompiled:
 
 
 class AutoBackend(GuidedBackend):
-    """Chooses xgrammar or llguidance per guide (see the module docstring).
+    """xgrammar and llguidance behind one name (see the module docstring).
 
     Parameters
     ----------
@@ -58,7 +61,6 @@ class AutoBackend(GuidedBackend):
     """
 
     name = "auto"
-    is_auto = True
 
     def __init__(self, backends: Dict[str, GuidedBackend], cache_size: int = 128,
                  unavailable: Optional[Dict[str, str]] = None) -> None:
@@ -75,43 +77,41 @@ class AutoBackend(GuidedBackend):
         #: ``{name: why}`` of backends that could not be built (they are skipped, and named in refusals)
         self.unavailable = dict(unavailable or {})
 
-    def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
-        """The first backend's admitted compilation, cached by :meth:`cache_key`.
-
-        The key holds ``strict``: an entry is an admission, and one made best
-        effort (``strict: false`` skips the fail-closed checks) must never
-        admit a strict request for the same guide.
-
-        Raises
-        ------
-        GuideRefused
-            No backend can guarantee ``params``; the message gives each backend's reason.
-        """
-        key = self.cache_key(params)  # the key is_cached() looks up
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        reasons = [f"{name}: unavailable ({why})" for name, why in self.unavailable.items()]
-        for name, backend in self._candidates(params).items():
-            try:
-                _, compiled = admit(backend, params)
-            except ValueError as exc:
-                reasons.append(f"{name}: {exc}")
-                continue
-            result = AutoCompiled(name, backend, compiled)
-            self._cache.put(key, result)
-            return result
-        raise GuideRefused(f"no guided backend can guarantee this {params.guide_type}: " + " | ".join(reasons))
-
-    def _candidates(self, params: StructuredOutputsParams) -> Dict[str, GuidedBackend]:
+    def candidates(self, params: StructuredOutputsParams) -> Dict[str, GuidedBackend]:
         """Backends to try for ``params``, in order (a grammar by its syntax, see the module docstring)."""
         if params.guide_type != "grammar":
             return self.backends
         wanted = "xgrammar" if "::=" in params.grammar else "llguidance"
         return {n: b for n, b in self.backends.items() if n == wanted}
 
+    def admitted(self, params: StructuredOutputsParams) -> Optional[AutoCompiled]:
+        """``params``' admission, if it is in the cache (the key :meth:`is_cached` looks up)."""
+        return self._cache.get(self.cache_key(params))
+
+    def remember(self, params: StructuredOutputsParams, name: str, compiled: Any) -> AutoCompiled:
+        """Record that backend ``name`` admitted ``params`` as ``compiled``; the cached :class:`AutoCompiled`."""
+        admitted = AutoCompiled(name, self.backends[name], compiled)
+        self._cache.put(self.cache_key(params), admitted)
+        return admitted
+
+    def compile(self, params: StructuredOutputsParams) -> AutoCompiled:
+        """``params``' admission from the cache: ``auto`` compiles only through admission.
+
+        Raises
+        ------
+        ValueError
+            ``params`` was not admitted (or its entry left the cache): admit it
+            with :func:`tpguide.guided.admission.admit` and use what that returns.
+        """
+        admitted = self.admitted(params)
+        if admitted is None:
+            raise ValueError(f"this {params.guide_type} is not admitted under auto (or its entry left the cache): "
+                             f"admit it with tpguide.guided.admission.admit and match what that returns")
+        return admitted
+
     def _compile(self, guide_type: str, guide_text: str, **options: Any) -> Any:  # pragma: no cover
-        raise NotImplementedError("AutoBackend compiles through compile()")
+        raise NotImplementedError("auto compiles through admission (tpguide.guided.admission.admit)")
 
     def matcher(self, compiled: AutoCompiled) -> GrammarMatcher:
+        """A fresh matcher of the backend that admitted the guide."""
         return compiled.backend.matcher(compiled.compiled)

@@ -15,6 +15,14 @@ started it, not from submission) is reported as a
 abandoned (its result dropped) and a fresh worker replaces it, so one slow
 grammar never blocks the others.  Workers are daemon threads: an abandoned
 compile never delays process exit.
+
+It stays a file of its own, beside admission rather than inside
+:mod:`tpguide.engine.intake`: it is a thread queue with a timeout, not a
+request check, and it has four users, which share its limit and its
+timeout message: the driver's intake, the guide check
+(:mod:`tpguide.guided.guide_check`), its offline command
+(:mod:`tpguide.engine.guide_check_offline`) and the server's
+``/v1/guides/check`` (:mod:`tpguide.serving.server`).
 """
 
 from __future__ import annotations

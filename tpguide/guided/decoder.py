@@ -6,7 +6,7 @@ from :mod:`tpguide.guided.thinking` until ``</think>``, also inside a
 verify window, and grammar rows from the next row on.  Each step the engine (on the driver, tp_rank 0)::
 
     token_bitmask, token_mask, dead_rows = decoder.fill_bitmask_with_drafts(entries)
-    fail requests of dead_rows (decoder.failure_reason(slot)); split_bitmask; scatter
+    fail requests of dead_rows (decoder.failure_kind(slot), failure_reason(slot)); split_bitmask; scatter
     decoder.accept_token(slot, token)      # each verified output token (engine/finisher.py)
 
 The verify fill gives ``1 + k`` consecutive rows per request (``k``
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ from tpguide.guided.bitmask import allocate_token_bitmask
 from tpguide.guided.draft_cursor import DraftCursor, drafting
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
-from tpguide.guided.slot_record import SlotRecord
+from tpguide.guided.slot_record import GuideFailure, SlotRecord
 from tpguide.guided.thinking import Thinking, ThinkingRows
 from tpguide.guided.verify_rows import fill_window_rows, record_cursor
 
@@ -98,12 +98,14 @@ class GuidedDecoder:
     # ---- slots -----------------------------------------------------------------
 
     def add_request(self, slot: int, params: Optional[StructuredOutputsParams],
-                    thinking: Optional[Thinking] = None) -> None:
+                    thinking: Optional[Thinking] = None, compiled: Any = None) -> None:
         """Start ``slot``'s request from its grammar's initial state (``None``: unguided).
 
         ``thinking``: the request starts thinking (docs/reasoning.md); its
         grammar applies after ``</think>``.  An unguided request gets a
-        record only with ``thinking`` (its budget's rows).
+        record only with ``thinking`` (its budget's rows).  ``compiled``: the
+        guide as admission returned it (:func:`~tpguide.guided.admission.admit`);
+        None: ``backend.compile(params)`` (its cache; ``auto`` holds admitted guides only).
 
         Raises
         ------
@@ -117,7 +119,7 @@ class GuidedDecoder:
         matcher = None
         if params is not None:
             try:
-                matcher = self.backend.matcher(self.backend.compile(params))
+                matcher = self.backend.matcher(compiled if compiled is not None else self.backend.compile(params))
             except Exception as exc:
                 raise ValueError(f"slot {slot}: {exc}") from exc
         if thinking is not None and thinking.end_token_id not in self._thinking_rows:
@@ -142,6 +144,11 @@ class GuidedDecoder:
         """Why ``slot``'s request failed (dead end, rejected token, matcher error), else None."""
         record = self._records.get(slot)
         return record.failure if record is not None else None
+
+    def failure_kind(self, slot: int) -> Optional[GuideFailure]:
+        """The kind of ``slot``'s request's failure (:class:`GuideFailure`), else None."""
+        record = self._records.get(slot)
+        return record.failure_kind if record is not None else None
 
     # ---- verified tokens ---------------------------------------------------------
 
@@ -168,10 +175,10 @@ class GuidedDecoder:
         try:
             ok = record.matcher.accept_token(token_id)
         except Exception as exc:
-            record.failure = f"slot {slot}: matcher error on token {token_id}: {exc}"
+            record.fail(GuideFailure.MATCHER_ERROR, f"slot {slot}: matcher error on token {token_id}: {exc}")
             raise ValueError(record.failure) from exc
         if not ok:
-            record.failure = f"slot {slot}: grammar rejected token {token_id}"
+            record.fail(GuideFailure.REJECTED_TOKEN, f"slot {slot}: grammar rejected token {token_id}")
         return ok
 
     def rollback(self, slot: int, num_tokens: int) -> None:
@@ -287,9 +294,9 @@ class GuidedDecoder:
             row += 1 + len(drafts)
 
         dead_rows: List[int] = []
-        for slot, first, error in self._fill_windows(jobs, token_bitmask, token_mask, num_rows):
-            if error is not None:
-                self._records[slot].failure = error
+        for slot, first, failure in self._fill_windows(jobs, token_bitmask, token_mask, num_rows):
+            if failure is not None:
+                self._records[slot].fail(*failure)
                 token_bitmask[first] = -1
                 token_mask[first] = 0
                 dead_rows.append(first)
@@ -347,7 +354,7 @@ class GuidedDecoder:
 
     def _fill_windows(self, jobs: list, token_bitmask: torch.Tensor, token_mask: torch.Tensor,
                       num_rows: int) -> list:
-        """``(slot, first row, error)`` of each ``(slot, drafts, first row)`` job's window rows.
+        """``(slot, first row, failure)`` of each ``(slot, drafts, first row)`` job's window rows.
 
         In the fill threads when more than ``parallel_threshold`` rows are
         filled: each job touches its own matchers and rows only; results come
@@ -365,9 +372,9 @@ class GuidedDecoder:
         """:meth:`_fill_windows` of ``jobs``, one after the other."""
         results = []
         for slot, drafts, first in jobs:
-            error = fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
-                                     self._thinking_rows, self.padded_vocab_size)
-            results.append((slot, first, error))
+            failure = fill_window_rows(self._records[slot], slot, drafts, token_bitmask, token_mask, first,
+                                       self._thinking_rows, self.padded_vocab_size)
+            results.append((slot, first, failure))
         return results
 
     def close(self) -> None:

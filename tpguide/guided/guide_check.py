@@ -6,8 +6,8 @@ request's ``structured_output`` parsed and checked for a finite instance
 then :func:`~tpguide.guided.admission.admit` on the engine's backend (``auto``
 tries each backend), so its verdict is generation's.  Around that verdict it
 reports, from the same keyword walk admission uses
-(:func:`~tpguide.guided.admission.schema_keywords`,
-:func:`~tpguide.guided.admission.unenforced_keywords`):
+(:func:`~tpguide.guided.schema_keywords.schema_keywords`,
+:func:`~tpguide.guided.schema_keywords.unenforced_keywords`):
 
 * each reason with a JSON Pointer into the schema and the keyword;
 * which keyword uses the grammar enforces, which are checked only after
@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from tpguide.guided.admission import admit, schema_keywords, unenforced_keywords
+from tpguide.guided.admission import admit
 from tpguide.guided.compile_service import CompileService
 from tpguide.guided.enforcement import MEASURED, REFUSED
 from tpguide.guided.guide_hash import guide_hash
@@ -34,6 +34,7 @@ from tpguide.guided.keyword_cases import keyword_key
 from tpguide.guided.matcher import GuidedBackend
 from tpguide.guided.params import StructuredOutputsParams
 from tpguide.guided.schema_check import finite_instance_problems, json_pointer_get
+from tpguide.guided.schema_keywords import schema_keywords, unenforced_keywords
 
 __all__ = ["ANNOTATIONS", "VALIDATION_KEYWORDS", "check_guide"]
 

@@ -364,7 +364,7 @@ def import_jsonschema():
 
     A process that never checks a schema (a non-driver rank, an unguided run)
     does not import it; the engine imports it at start-up in its
-    grammar-tables thread (:class:`~tpguide.engine.engine.Engine`), so no
+    grammar-tables thread (:func:`~tpguide.engine.startup.start_engine`), so no
     request waits for it either.  ``rfc3987_syntax`` (1.4 s of CPU: Lark
     parsers built at import) is imported only by the first ``iri`` /
     ``iri-reference`` format check (:mod:`tpguide.guided.lazy_iri_syntax`).

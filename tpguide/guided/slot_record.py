@@ -9,11 +9,20 @@ nowhere else.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import List, Optional
 
 from tpguide.guided.matcher import GrammarMatcher
 from tpguide.guided.thinking import Thinking
+
+
+class GuideFailure(enum.Enum):
+    """Why a request's grammar failed: what the step finisher branches on (the message says the rest)."""
+
+    DEAD_END = "dead end"  # a filled row allows no token below padded_vocab_size
+    MATCHER_ERROR = "matcher error"  # the matcher raised (filling a row, or accepting a token)
+    REJECTED_TOKEN = "rejected token"  # the matcher refused a verified token
 
 
 @dataclass
@@ -26,7 +35,9 @@ class SlotRecord:
         None for an unguided request that thinks under a budget.  Holds the request's verified output tokens (docs/architecture.md §5,
         the rollback discipline of :mod:`tpguide.guided.draft_cursor`).
     failure : str or None
-        Why the request failed (dead end, rejected token, matcher error).
+        Why the request failed, as a message (names the slot, the token or the matcher's error).
+    failure_kind : GuideFailure or None
+        The kind of that failure (set with it, by :meth:`fail`).
     layouts : list of GrammarMatcher or None
         The grammar drafter's JSON layout matchers still in the race
         (:mod:`tpguide.speculative.grammar_draft`); None until it first drafts.
@@ -41,10 +52,15 @@ class SlotRecord:
 
     matcher: Optional[GrammarMatcher]
     failure: Optional[str] = None
+    failure_kind: Optional[GuideFailure] = None
     layouts: Optional[List[GrammarMatcher]] = None
     num_layout_tokens: int = 0
     forced: bool = False
     thinking: Optional[Thinking] = None
+
+    def fail(self, kind: GuideFailure, message: str) -> None:
+        """Record the request's grammar failure: its kind and its message."""
+        self.failure_kind, self.failure = kind, message
 
     @property
     def is_thinking(self) -> bool:

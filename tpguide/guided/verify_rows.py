@@ -21,13 +21,13 @@ target can never reach them as its bonus row, because row ``m`` forbids
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from tpguide.guided.bitmask import row_is_dead_end
 from tpguide.guided.draft_cursor import drafting
-from tpguide.guided.slot_record import SlotRecord
+from tpguide.guided.slot_record import GuideFailure, SlotRecord
 from tpguide.guided.thinking import ThinkingRows
 
 
@@ -38,8 +38,8 @@ def record_cursor(record: SlotRecord):
 
 def fill_window_rows(record: SlotRecord, slot: int, drafts: List[int], token_bitmask: torch.Tensor,
                      token_mask: torch.Tensor, first: int, thinking_rows: Dict[int, ThinkingRows],
-                     padded_vocab_size: int) -> Optional[str]:
-    """Fill rows ``first .. first + len(drafts)`` of the request in ``slot``; the error message of row 0, else None.
+                     padded_vocab_size: int) -> Optional[Tuple[GuideFailure, str]]:
+    """Fill rows ``first .. first + len(drafts)`` of the request in ``slot``; row 0's failure, else None.
 
     Parameters
     ----------
@@ -58,9 +58,9 @@ def fill_window_rows(record: SlotRecord, slot: int, drafts: List[int], token_bit
 
     Returns
     -------
-    str or None
-        Why row 0 failed (a dead end, or a matcher that raised): the request
-        fails.  A later row that fails only ends guidance for the rest of the window.
+    (GuideFailure, str) or None
+        Why row 0 failed, its kind and message (a dead end, or a matcher
+        that raised): the request fails.  A later row that fails only ends guidance for the rest of the window.
 
     Raises
     ------
@@ -88,11 +88,14 @@ def fill_window_rows(record: SlotRecord, slot: int, drafts: List[int], token_bit
                 cursor.matcher.fill_next_token_bitmask(token_bitmask, row)
             except Exception as exc:
                 token_bitmask[row] = -1
-                return f"slot {slot}: matcher error while filling the bitmask: {exc}" if j == 0 else None
+                if j == 0:
+                    return GuideFailure.MATCHER_ERROR, f"slot {slot}: matcher error while filling the bitmask: {exc}"
+                return None
             if row_is_dead_end(words, row, padded_vocab_size):
                 token_bitmask[row] = -1
                 if j == 0:
-                    return f"slot {slot}: grammar dead end, no allowed token below padded_vocab_size={padded_vocab_size}"
+                    return GuideFailure.DEAD_END, (f"slot {slot}: grammar dead end, no allowed token below "
+                                                   f"padded_vocab_size={padded_vocab_size}")
                 return None
             masked[row] = 1
     return None
