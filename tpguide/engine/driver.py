@@ -39,7 +39,7 @@ from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.guided.bitmask import find_single_token_rows
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
-from tpguide.speculative.verify import Speculator
+from tpguide.speculative.propose import Speculator
 from tpguide.worker.protocol import BitmaskSlices, StepResult
 
 
