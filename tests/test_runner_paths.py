@@ -10,7 +10,9 @@ runs on CPU through three runners over one model:
   eager forward over the buffers: CPU has no CUDA graphs).
 
 Each must give the same logits bit for bit after the penalties and after
-the bitmask, and the same ``StepResult``.  The fast runners' own check
+the bitmask, and the same ``StepResult``.  And the worker package calls
+the penalty and the bitmask kernels at one place each (the plain and fast
+paths once carried a copy each).  The fast runners' own check
 against the plain step is off (``check_steps=0``), so a fast output is
 the fast path's.  The penalties and the mask must change the logits, so
 that a path which skipped either would differ.
@@ -18,6 +20,7 @@ that a path which skipped either would differ.
 
 from __future__ import annotations
 
+import ast
 import tempfile
 from pathlib import Path
 
@@ -125,3 +128,15 @@ def test_plain_and_fast_paths_apply_penalties_and_bitmask_alike(model):
             assert torch.equal(_bits(want_masked[1]), _bits(want_pen[1]))
     assert eager.fast_path is not None and eager.graphs is None and eager.fast_path_off_reason == ""
     assert graph.fast_path is not None and stand_in.replays == len(steps) and graph.fast_path_off_reason == ""
+
+
+def test_the_worker_applies_penalties_and_the_bitmask_at_one_place_each():
+    """One call of ``apply_penalties_inplace`` and of ``apply_token_bitmask_inplace`` in tpguide/worker."""
+    calls = {"apply_penalties_inplace": [], "apply_token_bitmask_inplace": []}
+    for path in sorted((Path(__file__).resolve().parents[1] / "tpguide" / "worker").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in calls:
+                    calls[name].append(f"{path.name}:{node.lineno}")
+    assert {k: len(v) for k, v in calls.items()} == {k: 1 for k in calls}, calls
