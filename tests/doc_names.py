@@ -169,6 +169,19 @@ def _bindings(body: list, module: str, path: Path) -> dict:
     return out
 
 
+def _instance_attributes(cls: ast.ClassDef) -> set:
+    """Names a class's own methods assign on ``self`` (``self.stats = ...``): its instances' attributes."""
+    out = set()
+    for method in cls.body:
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(method):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+                out.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                           and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return out
+
+
 def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
     """The absolute module of a ``from ... import`` in ``module`` (a package's ``__init__`` is its own level)."""
     if not node.level:
@@ -214,9 +227,10 @@ def _resolve_in(module: str, parts: List[str], root: Path, depth: int = 0) -> bo
     for i, part in enumerate(parts[1:], 2):
         if not isinstance(node, ast.ClassDef):
             return False
-        node = _bindings(node.body, module, path).get(part)
+        cls = node
+        node = _bindings(cls.body, module, path).get(part)
         if node is None:
-            return False
+            return i == len(parts) and part in _instance_attributes(cls)
         if isinstance(node, tuple):  # a name imported into a class body: the last part only
             return i == len(parts)
     return True

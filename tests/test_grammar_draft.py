@@ -15,7 +15,7 @@ from tpguide.guided.bitmask import single_allowed_token
 from tpguide.guided.decoder import GuidedDecoder
 from tpguide.guided.llguidance_backend import complete_utf8_prefix
 from tpguide.speculative.grammar_draft import GrammarDrafter, strict_prefix_token_ids
-from tpguide.speculative.verify import DRAFT_PENDING, Speculator
+from tpguide.speculative.propose import DRAFT_PENDING, Speculator
 
 VOCAB = 49152
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -51,7 +51,7 @@ def test_drafts_carrying_think_end_are_verified_with_the_answer_rows(reasoning_m
     tokenizer = AutoTokenizer.from_pretrained(reasoning_model_path)
     prompts = [tokenize_prompt(tokenizer, r) for r in parse_request_lines([json.dumps(r) for r in lines], 64)]
     sequences = [p + o["token_ids"] for p, o in zip(prompts, plain)]
-    monkeypatch.setattr("tpguide.speculative.verify.NgramProposer", lambda: PerfectDrafter(sequences))
+    monkeypatch.setattr("tpguide.speculative.propose.NgramProposer", lambda: PerfectDrafter(sequences))
     drafted, stats = _run(reasoning_model_path, lines, speculative_method="ngram", grammar_draft=False,
                           num_speculative_tokens=4)
     assert key(drafted) == key(plain)

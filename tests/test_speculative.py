@@ -62,7 +62,7 @@ def test_engine_config_defaults_to_grammar_drafts_with_k_4():
 def test_draft_head_speculator_reserves_placeholders():
     from tpguide.engine.drafting import draft_input_of
     from tpguide.engine.request import Request, SamplingParams
-    from tpguide.speculative.verify import DRAFT_PENDING, Speculator
+    from tpguide.speculative.propose import DRAFT_PENDING, Speculator
 
     spec = Speculator("draft-head", 3, max_model_len=64)
     req = Request("r", 0, SamplingParams(max_tokens=10), prompt_token_ids=[1, 2], output_token_ids=[5])

@@ -172,7 +172,7 @@ def step_capacity(config: EngineConfig) -> StepCapacity:
 
 
 def _check_speculative(method: Optional[str], k: Optional[int], grammar_draft: bool) -> None:
-    from tpguide.speculative.verify import SPECULATIVE_METHODS
+    from tpguide.speculative.propose import SPECULATIVE_METHODS
 
     if method is not None and method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_method must be None or one of {list(SPECULATIVE_METHODS)}, got {method!r}")

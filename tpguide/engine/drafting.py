@@ -12,7 +12,7 @@ budget and the scheduler cuts them to the budget left for it, as vLLM's
 scheduler cuts a request's ``spec_token_ids``.  Every drafter's drafts with
 a smaller budget are a prefix of those with a larger one, so the cut
 drafts are the ones a proposal with the smaller budget gives.  The
-speculator sees each request as a :class:`~tpguide.speculative.verify.DraftInput`
+speculator sees each request as a :class:`~tpguide.speculative.propose.DraftInput`
 of plain values (:func:`draft_input_of`).
 """
 
@@ -24,7 +24,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from tpguide.engine.request import Request
 from tpguide.engine.scheduler import ScheduledRequest
 from tpguide.speculative.draft_loop import DraftRequest
-from tpguide.speculative.verify import DRAFT_PENDING, DraftInput, Speculator
+from tpguide.speculative.propose import DRAFT_PENDING, DraftInput, Speculator
 
 
 def draft_input_of(req: Request) -> DraftInput:

@@ -7,7 +7,7 @@ speculator; requests reach it through :class:`~tpguide.engine.intake.Intake`
 :class:`~tpguide.engine.engine.Engine` calls, per step::
 
     scheduled = driver.schedule_step()                # drafts proposed, then scheduled (engine/drafting.py)
-    planned = driver.plan_step(scheduled, <draft-head drafts>)  # a PlannedStep value (engine/planner.py)
+    planned = driver.plan_step(scheduled, <draft-head drafts>)  # a ScheduledStep value (engine/planner.py)
     fill    = driver.fill_bitmask(planned)            # a BitmaskFill, in a thread, while the forward runs
     forward = runner.execute_model(planned.plan)      # every rank (tpguide/worker/runner.py)
     result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(fill, tp_size))
@@ -30,7 +30,7 @@ from tpguide.engine.finisher import StepFinisher
 from tpguide.engine.intake import Intake, tokenize_prompt
 from tpguide.engine.kv_cache_manager import KVCacheManager
 from tpguide.engine.outputs import failed_output, request_output
-from tpguide.engine.planner import PlannedStep, planned_step_of
+from tpguide.engine.planner import ScheduledStep, scheduled_step_of
 from tpguide.engine.receipt import ReceiptContext, build_receipt, request_line
 from tpguide.engine.request import Request, RequestOutput
 from tpguide.engine.request_faults import contained, inject_fault
@@ -39,7 +39,7 @@ from tpguide.guided import GuidedDecoder, make_backend, split_bitmask
 from tpguide.guided.bitmask import find_single_token_rows
 from tpguide.guided.thinking import Thinking
 from tpguide.speculative.draft_loop import DraftRequest
-from tpguide.speculative.verify import Speculator
+from tpguide.speculative.propose import Speculator
 from tpguide.worker.protocol import BitmaskSlices, StepResult
 
 
@@ -239,7 +239,7 @@ class Driver:
         return head_draft_requests(scheduled, self.guided)
 
     def plan_step(self, scheduled: List[ScheduledRequest],
-                  head_drafts: Optional[List[List[int]]] = None) -> PlannedStep:
+                  head_drafts: Optional[List[List[int]]] = None) -> ScheduledStep:
         """Plan the step of ``scheduled`` (:meth:`schedule_step`, not empty).
 
         Parameters
@@ -249,9 +249,9 @@ class Driver:
             :meth:`head_draft_requests`, in its order.
         """
         self.num_steps += 1
-        return planned_step_of(self.num_steps, with_head_drafts(scheduled, head_drafts))
+        return scheduled_step_of(self.num_steps, with_head_drafts(scheduled, head_drafts))
 
-    def fill_bitmask(self, planned: PlannedStep) -> BitmaskFill:
+    def fill_bitmask(self, planned: ScheduledStep) -> BitmaskFill:
         """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
         token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
         for row in failed:
@@ -264,7 +264,7 @@ class Driver:
         """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
         return BitmaskSlices(fill.token_mask, split_bitmask(fill.token_bitmask, tp_size))
 
-    def finish_step(self, planned: PlannedStep, result: StepResult,
+    def finish_step(self, planned: ScheduledStep, result: StepResult,
                     fill: Optional[BitmaskFill] = None, finished_only: bool = False) -> List[RequestOutput]:
         """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
 

@@ -16,7 +16,7 @@ and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
 
     driver   schedule   Driver.schedule_step: drafts proposed, then scheduled (engine/drafting.py)
              [draft-head drafting loop, collective: HeadDrafting] (speculative/draft_loop.py)
-             plan       Driver.plan_step        -> PlannedStep   (engine/planner.py)
+             plan       Driver.plan_step        -> ScheduledStep   (engine/planner.py)
              fill       Driver.fill_bitmask, in a thread -> BitmaskFill (engine/driver.py)
              broadcast  the STEP message
     all      forward    StepRunner.execute_model(plan) -> ForwardOutput  (worker/runner.py)

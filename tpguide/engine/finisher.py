@@ -26,7 +26,7 @@ import sys
 import time
 from typing import AbstractSet, Callable, Optional, Sequence, Set
 
-from tpguide.engine.planner import PlannedStep
+from tpguide.engine.planner import ScheduledStep
 from tpguide.engine.request import Request
 from tpguide.engine.request_faults import contained
 from tpguide.engine.stop_strings import find_stop_string
@@ -54,7 +54,7 @@ class StepFinisher:
         self.spec = speculator
         self.detokenize = detokenize
 
-    def finish(self, planned: PlannedStep, result: StepResult, guided, dead_end_rows: Sequence[int] = (),
+    def finish(self, planned: ScheduledStep, result: StepResult, guided, dead_end_rows: Sequence[int] = (),
                forced_rows: AbstractSet[int] = frozenset()) -> None:
         """Apply one step's result to its requests (see the module docstring).
 
@@ -95,7 +95,7 @@ class StepFinisher:
         if self.spec is not None:
             self.spec.stats.record_pass(len(req.output_token_ids) - before)
 
-    def record_prompt_logprobs(self, planned: PlannedStep, result: StepResult) -> None:
+    def record_prompt_logprobs(self, planned: ScheduledStep, result: StepResult) -> None:
         """Append this step's prompt logprobs to their requests."""
         prompt, offsets = result.prompt_logprobs, planned.prompt_row_offsets
         if prompt is None or offsets is None:

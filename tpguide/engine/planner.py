@@ -1,7 +1,7 @@
-"""Planning a step: the scheduler's choice becomes one :class:`PlannedStep` value (driver only).
+"""Planning a step: the scheduler's choice becomes one :class:`ScheduledStep` value (driver only).
 
 docs/architecture.md §1, §4.
-A planned step holds everything the step needs: the :class:`StepPlan`
+A scheduled step holds everything the step needs: the :class:`StepPlan`
 broadcast to every rank, and the driver's own bookkeeping (which request
 owns which sample row, which rows are guided, where each request's prompt
 logprob rows are).  The driver finishes the step from this value and the
@@ -24,8 +24,11 @@ from tpguide.worker.protocol import StepPlan
 
 
 @dataclass(frozen=True)
-class PlannedStep:
-    """One step as planned on the driver.
+class ScheduledStep:
+    """One step on the driver: its scheduled requests, their rows, and the :class:`StepPlan` built for them.
+
+    The ranks see only ``plan`` (the wire message); the rest is the driver's
+    bookkeeping for the fill and the finish.
 
     Attributes
     ----------
@@ -65,8 +68,8 @@ class PlannedStep:
         raise IndexError(f"sample row {row} out of range [0, {self.first_rows[-1]})")
 
 
-def planned_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> PlannedStep:
-    """The :class:`PlannedStep` of ``scheduled`` (their drafts already filled in).
+def scheduled_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> ScheduledStep:
+    """The :class:`ScheduledStep` of ``scheduled`` (their drafts already filled in).
 
     A request is guided this step when its sample is used and it has a
     structured output (or thinks under a budget, docs/reasoning.md) and is not finished (a request that failed at
@@ -81,7 +84,7 @@ def planned_step_of(number: int, scheduled: Sequence[ScheduledRequest]) -> Plann
     for s in scheduled:
         first_rows.append(first_rows[-1] + 1 + s.num_draft_tokens)
     plan, prompt_row_offsets = build_step_plan(scheduled, guided=any(r is not None for r in guided_slots))
-    return PlannedStep(number, plan, scheduled, first_rows, guided_slots, prompt_row_offsets)
+    return ScheduledStep(number, plan, scheduled, first_rows, guided_slots, prompt_row_offsets)
 
 
 def build_step_plan(scheduled: List[ScheduledRequest], guided: bool) -> Tuple[StepPlan, Optional[List[int]]]:

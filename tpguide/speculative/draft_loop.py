@@ -1,7 +1,7 @@
 """Drafting with the draft head inside a step: the driver steers, every rank computes.
 
 Speculative method ``draft-head``.  The scheduler reserves ``k`` draft
-positions per decode request (:data:`~tpguide.speculative.verify.DRAFT_PENDING` placeholders, counted in
+positions per decode request (:data:`~tpguide.speculative.propose.DRAFT_PENDING` placeholders, counted in
 the token budget); before the step's plan is built the engine runs up to
 ``K`` drafting iterations over the requests still drafting::
 

@@ -200,7 +200,7 @@ class GrammarDrafter:
             Most drafts (``>= 0``).
         req : DraftInput, optional
             The request in ``slot`` (its ``structured_output`` and
-            ``output_token_ids``; :class:`~tpguide.speculative.verify.DraftInput`): with it a
+            ``output_token_ids``; :class:`~tpguide.speculative.propose.DraftInput`): with it a
             JSON guide's layouts are drafted (module docstring), their
             matchers kept in the slot's record; without it only forced text.
 

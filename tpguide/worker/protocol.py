@@ -14,7 +14,7 @@ kind         meaning                                                payload
 ===========  =====================================================  ========================
 STEP         run one engine step (forward, LM head, bitmask,         ``step``: :class:`StepPlan`
              sampling)
-DRAFT        run one draft-head drafting iteration                   ``draft``: DraftPlan
+DRAFT        run one draft-head drafting iteration                   ``draft``: :class:`DraftPlan`
 HEARTBEAT    nothing to do; keeps idle ranks inside the collective   none
              timeout (an idle server)
 STOP         leave the loop (the driver shut down)                   none
@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from tpguide.sampling.prompt_logprobs import PromptLogprobs
 from tpguide.sampling.sampler import SamplingMetadata
+from tpguide.speculative.draft_iteration import DraftPlan
 
 
 class DriverAborted(RuntimeError):
@@ -118,7 +119,7 @@ class Message:
 
     kind: MessageKind
     step: Optional[StepPlan] = None
-    draft: Any = None  # tpguide.speculative.draft_iteration.DraftPlan
+    draft: Optional[DraftPlan] = None
     error: Optional[str] = None
 
     @classmethod
@@ -126,7 +127,7 @@ class Message:
         return cls(MessageKind.STEP, step=plan)
 
     @classmethod
-    def for_draft(cls, plan) -> "Message":
+    def for_draft(cls, plan: DraftPlan) -> "Message":
         return cls(MessageKind.DRAFT, draft=plan)
 
     @classmethod

@@ -95,7 +95,7 @@ def _layout(cap: StepCapacity) -> Tuple[Dict[str, Tuple[int, int]], int]:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's device views (into :class:`StepBuffers`).
+    """One step's device views into :class:`StepBuffers` (or the plain step's tensors, ``forward.plain_inputs``).
 
     Attributes
     ----------
