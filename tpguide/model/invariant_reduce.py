@@ -52,7 +52,7 @@ from tpguide.kernels.fixed_order_cpu import (
     sum_units_fixed_order,
 )
 from tpguide.kernels.triton_path import use_triton
-from tpguide.model.held_weights import hold_packed_only, is_released, parameter_users
+from tpguide.model.held_weights import hold_packed_only, is_released, parameter_users, trim_freed_memory
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -128,6 +128,8 @@ def prepack_weights(module: torch.nn.Module) -> None:
         packed, weight = getattr(m, "_packed_weight", None), getattr(m, "weight", None)
         if packed is not None and isinstance(weight, torch.nn.Parameter) and not is_released(weight):
             hold_packed_only(weight, packed, users)
+            del weight
+            trim_freed_memory()  # the freed layout's pages go back now, before the next layer packs
 
 
 def packs_on_cpu(weight: torch.Tensor) -> bool:
