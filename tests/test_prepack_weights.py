@@ -6,6 +6,7 @@ from tpguide.dist import TPGroup
 from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import request_from_dict
 from tpguide.kernels.fixed_order_cpu import pack_weight
+from tpguide.model.held_weights import is_released
 from tpguide.model.invariant_reduce import prepack_weights
 from tpguide.model.loader import load_model
 
@@ -22,6 +23,7 @@ def test_engine_start_packs_every_fixed_order_weight_and_the_first_step_packs_no
         assert f"model.layers.0.{name}" in packed, sorted(packed)
     assert "lm_head" in packed and "model.embed_tokens" not in packed  # the tied head packs once, on the head
     assert packed["model.layers.0.self_attn.o_proj"].num_units == layer.self_attn.o_proj.num_local_units
+    assert is_released(layer.mlp.down_proj.weight) and is_released(engine.model.model.embed_tokens.weight)  # once
     calls = []
     monkeypatch.setattr("tpguide.model.invariant_reduce.pack_weight", lambda *a: calls.append(a) or pack_weight(*a))
     out, = engine.generate([request_from_dict({"id": "a", "prompt": "Once upon", "max_tokens": 3}, 0, 64)])

@@ -62,6 +62,8 @@ from tpguide.kernels.c_library import CSRC, load_library
 SOURCE = CSRC / "fixed_order_cpu.c"
 #: Columns per packed weight panel (``NB`` in the C source).
 PANEL = 32
+#: Weight rows zero-padded per pass when packing a pair layout (bounds the packing's transient memory).
+PACK_CHUNK_ROWS = 2048
 #: Largest head dimension the attention kernel takes (``MAX_HEAD_DIM``).
 MAX_HEAD_DIM = 512
 #: Query rows (tokens x query heads of one KV head) per attention work item (``MAX_ROWS``).
@@ -288,9 +290,13 @@ def pack_weight(weight: torch.Tensor, num_units: int = 1, isa: Optional[str] = N
     num_panels = -(-n // PANEL)
     rows = weight.reshape(n, num_units, unit)  # [N, U, K_unit]
     if pairs:  # [U, P, K_pad / 2, PANEL, 2]: 16 columns' k pairs per AMX B tile row or per zmm
-        padded = weight.new_empty((num_panels, PANEL, num_units, padded_unit))
-        _copy_zero_padded(padded, rows)
-        panels = padded.view(num_panels, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4).contiguous()
+        panels = weight.new_empty((num_units, num_panels, padded_unit // 2, PANEL, 2))
+        step = max(1, PACK_CHUNK_ROWS // PANEL)  # panels per pass: the zero-padded transient stays small
+        for p0 in range(0, num_panels, step):
+            p1 = min(num_panels, p0 + step)
+            padded = weight.new_empty((p1 - p0, PANEL, num_units, padded_unit))
+            _copy_zero_padded(padded, rows[p0 * PANEL:p1 * PANEL])
+            panels[:, p0:p1].copy_(padded.view(p1 - p0, PANEL, num_units, padded_unit // 2, 2).permute(2, 0, 3, 1, 4))
     else:  # written in place through a [P, PANEL, U, K_unit] view: one pass over the weight, no zeroing pass
         panels = weight.new_empty((num_units, num_panels, unit, PANEL))
         _copy_zero_padded(panels.permute(1, 3, 0, 2), rows)

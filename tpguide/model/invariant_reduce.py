@@ -52,6 +52,7 @@ from tpguide.kernels.fixed_order_cpu import (
     sum_units_fixed_order,
 )
 from tpguide.kernels.triton_path import use_triton
+from tpguide.model.held_weights import hold_packed_only, is_released, parameter_users, trim_freed_memory
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -84,7 +85,19 @@ def packed_weight(owner: object, weight: torch.Tensor, num_units: int = 1) -> Pa
     Packed on first use and again if ``weight`` was replaced or updated in
     place through the parameter (a new ``data_ptr`` or ``_version``); a
     loader that writes through ``.data`` calls :func:`drop_packed_weights`.
+    A weight released by :func:`prepack_weights` (its packed copy the only
+    one, :mod:`tpguide.model.held_weights`) returns that copy.
+
+    Raises
+    ------
+    ValueError
+        A released weight asked for with another ``num_units`` than it was packed with.
     """
+    if is_released(weight):
+        held = weight.packed
+        if held.num_units != num_units:
+            raise ValueError(f"weight packed in {held.num_units} units, asked for {num_units}")
+        return held
     cached = getattr(owner, "_packed_weight", None)
     if cached is None or cached.source_version != (weight.data_ptr(), weight._version) \
             or cached.num_units != num_units:
@@ -94,18 +107,29 @@ def packed_weight(owner: object, weight: torch.Tensor, num_units: int = 1) -> Pa
 
 
 def prepack_weights(module: torch.nn.Module) -> None:
-    """Pack every weight ``module`` and its children will hand the fixed-order CPU linear, now.
+    """Pack every weight ``module`` and its children will hand the fixed-order CPU linear, now, and hold it once.
 
     Start-up work (the engine calls it), so that a process's first request
     does not pack the whole model in its first forward (each layer's
     ``prepack`` knows its own path; nothing is packed off the CPU or without
-    the TP-invariant mode).  The packed copies live beside the weights, as
-    they would after the first forward.
+    the TP-invariant mode).  Each weight's checkpoint layout is freed as soon
+    as it is packed (:func:`tpguide.model.held_weights.hold_packed_only`: the
+    parameter becomes a data-less placeholder carrying the packed copy, in
+    every module sharing it), so a rank holds its weights once and the
+    start-up's peak is one layer's packed copy above that.  A second call
+    packs nothing new.
     """
+    users = parameter_users(module)
     for m in module.modules():
         prepack = getattr(m, "prepack", None)
-        if callable(prepack):
-            prepack()
+        if not callable(prepack):
+            continue
+        prepack()
+        packed, weight = getattr(m, "_packed_weight", None), getattr(m, "weight", None)
+        if packed is not None and isinstance(weight, torch.nn.Parameter) and not is_released(weight):
+            hold_packed_only(weight, packed, users)
+            del weight
+            trim_freed_memory()  # the freed layout's pages go back now, before the next layer packs
 
 
 def packs_on_cpu(weight: torch.Tensor) -> bool:

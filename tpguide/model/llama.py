@@ -265,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.group, self.dtype, self.tp_invariant = config, group, dtype, tp_invariant
         with torch.device(group.device):
             self.model = self.model_cls(config, group, dtype)
+        with torch.device("meta" if config.tie_word_embeddings else group.device):  # tied: its own matrix unused
             self.lm_head = ParallelLMHead(config.org_vocab_size, config.hidden_size, group, dtype,
                                           tokenizer_vocab_size=tokenizer_vocab_size,
                                           logit_softcap=config.final_logit_softcapping)

@@ -39,6 +39,9 @@ from tpguide.model.invariant_reduce import (
 )
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
+#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).
+PARTIALS_CHUNK_BYTES = 32 << 20
+
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator // denominator``; ``ValueError`` naming both if it does not divide."""
@@ -264,14 +267,35 @@ class RowParallelLinear(nn.Module):
         if self.reduction_unit is not None and packs_on_cpu(self.weight):
             packed_weight(self, self.weight, self.num_local_units)
 
+    def partials_chunk_rows(self, num_rows: int) -> int:
+        """Rows per all-gather of unit partials: the gathered fp32 ``[tp, U_local, rows, O]`` within
+        :data:`PARTIALS_CHUNK_BYTES` (at least one row; all ``num_rows`` when they fit).
+
+        The same on every rank (it depends on shapes only).  Rows never
+        influence each other's sums, so the chunking changes no bit; it bounds a
+        long prefill's transient memory (at tp 2, 1,024 rows of a 2,048-wide
+        ``o_proj`` over 32 heads would gather 256 MiB at once).
+        """
+        per_row = self.group.tp_size * self.num_local_units * self.output_size * 4
+        return max(1, min(num_rows, PARTIALS_CHUNK_BYTES // per_row))
+
+    def _gathered_units_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, I/T]`` -> ``[T, O]``: this rank's unit partials, gathered and summed in unit order."""
+        partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
+        return sum_units(partials, self.num_real_units, self.group, x.dtype)  # the one communication point
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``)."""
+        """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``).
+
+        TP-invariant at ``tp_size > 1``: one all-gather per :meth:`partials_chunk_rows` rows.
+        """
         if self.reduction_unit is not None:
             if self.group.tp_size == 1 and self.num_real_units == self.num_local_units:
                 y = units_sum_local(x, self.weight, self.num_local_units, self, x.dtype)  # [T, O], no communication
             else:
-                partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
-                y = sum_units(partials, self.num_real_units, self.group, x.dtype)  # the one communication point
+                rows = self.partials_chunk_rows(x.shape[0])
+                y = self._gathered_units_sum(x) if rows >= x.shape[0] else torch.cat(
+                    [self._gathered_units_sum(chunk) for chunk in x.split(rows)])  # a long prefill, in chunks
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:

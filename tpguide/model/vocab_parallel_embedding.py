@@ -29,6 +29,7 @@ from torch import nn
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import unary_fixed_order
+from tpguide.model.held_weights import embedding_rows
 from tpguide.model.invariant_reduce import invariant_linear, packed_weight, packs_on_cpu
 from tpguide.model.vocab_shard import VocabShard
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_
@@ -72,11 +73,11 @@ class VocabParallelEmbedding(nn.Module):
         ``input_ids`` int64 ``[T]`` -> ``[T, embedding_dim]``; the sum over ranks is the full embedding.
         """
         if self.group.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return embedding_rows(input_ids, self.weight)  # the packed copy's rows when the weight is held packed
         start, end = self.vocab_shard.vocab_start_index, self.vocab_shard.vocab_end_index
         outside = (input_ids < start) | (input_ids >= end)  # [T]
         local_ids = (input_ids - start).masked_fill(outside, 0)
-        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [T, dim]
+        return embedding_rows(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [T, dim]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` int64 ``[T]`` -> ``[T, embedding_dim]``, replicated on every rank."""

@@ -1,0 +1,190 @@
+"""Each linear weight held once: the packed copy replaces the checkpoint layout (docs/architecture.md §6).
+
+The fixed-order CPU kernels read a weight packed into panels
+(:func:`tpguide.kernels.fixed_order_cpu.pack_weight`).  Once a layer's
+weight is packed at start-up (:func:`tpguide.model.invariant_reduce.prepack_weights`),
+:func:`hold_packed_only` frees the checkpoint-layout tensor: the parameter
+becomes a :class:`ReleasedWeight`, a tensor of the same shape, dtype, strides
+and device without storage, whose ``packed`` attribute is the
+:class:`PackedWeight`, so a rank's resident weights are its shard's bytes,
+not twice them.  Every module that shares the parameter (the tied embedding
+and LM head) gets the placeholder.
+
+Who reads a released weight, and how:
+
+* the fixed-order linears: :func:`~tpguide.model.invariant_reduce.packed_weight`
+  returns ``weight.packed``;
+* the tied embedding's row lookup: :func:`embedding_rows` copies the rows out
+  of the packed panels (the same bits as ``F.embedding`` on the checkpoint
+  layout);
+* any other operation on it (``F.linear``, ``F.embedding``, ``.to()``,
+  arithmetic) raises ``RuntimeError`` naming the operation: nothing reads
+  numbers that are not there (a ``meta`` tensor would not do: ``F.linear``
+  of a CPU input and a ``meta`` weight returns uninitialised CPU memory);
+  loading into a released parameter raises (build a new model to reload).
+
+The plain mode (``--no-tp-invariant``) and CUDA pack nothing, so nothing is
+released there.  The draft head reads its rows from the checkpoint file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpguide.kernels.fixed_order_cpu import PANEL, PackedWeight
+
+
+class ReleasedWeight(torch.Tensor):
+    """A weight's shape, dtype, strides and device without storage; its values are ``self.packed``'s.
+
+    Every aten operation but ``detach`` / ``alias`` (which ``nn.Parameter``
+    uses) raises ``RuntimeError`` naming it.
+    """
+
+    packed: PackedWeight
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, packed: PackedWeight) -> "ReleasedWeight":
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                device=like.device, requires_grad=False)
+        t.packed = packed
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return ReleasedWeight(args[0], args[0].packed)
+        raise RuntimeError(f"{func} on a weight {list(args[0].shape) if args else ''} held only packed "
+                           "(tpguide.model.held_weights): read it through packed_rows / unpack_weight")
+
+    def __repr__(self) -> str:
+        return f"ReleasedWeight(shape={list(self.shape)}, dtype={self.dtype}, held packed)"
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a placeholder whose values live only in ``weight.packed``."""
+    return isinstance(weight, ReleasedWeight)
+
+
+def _refuse_load(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    raise ValueError(f"this weight {list(param.shape)} was released after packing (the packed copy is the only "
+                     "one): load checkpoints into a new model")
+
+
+def parameter_users(root: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
+    """``id(parameter) -> [(module, attribute name), ...]``: every module holding each parameter (tied ones twice)."""
+    users: Dict[int, List[Tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                users.setdefault(id(p), []).append((module, name))
+    return users
+
+
+def hold_packed_only(weight: nn.Parameter, packed: PackedWeight,
+                     users: Dict[int, List[Tuple[nn.Module, str]]]) -> nn.Parameter:
+    """Replace ``weight`` by a data-less placeholder carrying ``packed`` in every module of ``users``; returns it.
+
+    ``weight``'s storage is freed once nothing else refers to it.  The
+    placeholder (a :class:`ReleasedWeight` parameter) keeps ``shape``,
+    ``dtype``, strides and device; ``placeholder.packed`` is ``packed``.  An
+    already released weight is returned unchanged.
+    """
+    if is_released(weight):
+        return weight
+    held = nn.Parameter(ReleasedWeight(weight, packed), requires_grad=False)
+    held.weight_loader = _refuse_load
+    for module, name in users.pop(id(weight), []):
+        setattr(module, name, held)
+    return held
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``); False where there is none.
+
+    A freed checkpoint layout below glibc's (dynamic) mmap threshold, and the
+    packing's temporaries, leave free holes inside the heap that stay in the
+    resident set; measured on the ~1 B benchmark (docs/benchmarks.md,
+    "Weights held once") they held up to 0.7 GiB after start-up.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the weight ``packed`` was made from: ``[T, K]`` in its dtype, the same bits.
+
+    ``ids`` int64 ``[T]`` in ``[0, out_features)``; ``packed`` one unit
+    (``num_units == 1``: the LM head).  The panels hold
+    ``w[p*PANEL + j, k]`` at ``[0, p, k, j]`` (pairs: ``[0, p, k // 2, j, k % 2]``).
+
+    Raises
+    ------
+    ValueError
+        ``packed`` has several units.
+    IndexError
+        An id outside ``[0, out_features)`` (as ``F.embedding``).
+    """
+    if packed.num_units != 1:
+        raise ValueError(f"row lookup needs a weight packed in one unit, got num_units={packed.num_units}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= packed.out_features):
+        raise IndexError(f"ids in [{int(ids.min())}, {int(ids.max())}] outside [0, {packed.out_features})")
+    p, j = ids // PANEL, ids % PANEL
+    panels = packed.panels[0]
+    if panels.dim() == 4:  # [P, K_pad / 2, PANEL, 2]: k pairs
+        rows = panels[p, :, j, :]  # [T, K_pad / 2, 2]
+        return rows.reshape(ids.numel(), -1)[:, :packed.unit_size].contiguous()
+    return panels[p, :, j]  # [T, K]
+
+
+def embedding_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, weight)``, from the packed copy when the weight was released (``[T, dim]``)."""
+    if is_released(weight):
+        return packed_rows(weight.packed, ids)
+    return F.embedding(ids, weight)
+
+
+def unpack_weight(packed: PackedWeight) -> torch.Tensor:
+    """The ``[N, U * K_unit]`` checkpoint-layout weight ``packed`` was made from (a new tensor, the same bits)."""
+    panels = packed.panels
+    if panels.dim() == 5:  # [U, P, K_pad / 2, PANEL, 2] -> [U, P, K_pad, PANEL]
+        panels = panels.permute(0, 1, 3, 2, 4).flatten(3).transpose(2, 3)
+    n, unit = packed.out_features, packed.unit_size
+    full = panels[:, :, :unit, :].permute(1, 3, 0, 2).flatten(0, 1)  # [P * PANEL, U, K_unit]
+    return full[:n].reshape(n, packed.num_units * unit).contiguous()
+
+
+def resident_weight_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct storages behind ``module``'s parameters and packed weights (each counted once)."""
+    seen: Dict[int, int] = {}
+    for m in module.modules():
+        params = [p for p in m._parameters.values() if p is not None]
+        tensors = [p.packed.panels if is_released(p) else p for p in params]
+        cached = getattr(m, "_packed_weight", None)
+        if cached is not None:
+            tensors.append(cached.panels)
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
