@@ -1,7 +1,8 @@
 """A name quoted right after a source file (```engine/engine.py` `Engine.step```) is bound in that file.
 
-Read with ``ast``.  The forms ```path.py` `name``` and ```path.py` (`name``` (a
-list in brackets: its first name) check that ``name``'s first part is bound
+Read with ``ast``.  The forms ```path.py` `name```, ```path.py`: `name``` and
+```path.py` (`name`, `other`)`` (a list in brackets: each name up to the first
+word that is not a quoted name) check that ``name``'s first part is bound
 somewhere in the file: a ``def``, ``class``, assigned name or attribute, or a
 parameter.  So a function moved to another file, or renamed, fails here.
 Used by ``tests/doc_names.py``.
@@ -15,7 +16,9 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Set
 
-FILE_SYMBOL = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)` \(?`([A-Za-z_][\w.]*)(?:\(\))?`")
+FILE_SYMBOL = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)`:? (\(?)`([A-Za-z_][\w.]*)(?:\(\))?`"
+                         r"((?:, `[A-Za-z_][\w.]*(?:\(\))?`)*)")
+_LISTED = re.compile(r"`([A-Za-z_][\w.]*)(?:\(\))?`")
 
 
 def references(line: str, following: str = "") -> Iterator[str]:
@@ -27,7 +30,10 @@ def references(line: str, following: str = "") -> Iterator[str]:
     text = line.rstrip() + " " + following.lstrip().lstrip("#* ") if following else line
     for m in FILE_SYMBOL.finditer(text):
         if m.start() < len(line):
-            yield f"{m.group(1)} {m.group(2)}"
+            yield f"{m.group(1)} {m.group(3)}"
+            if m.group(2):  # a list in brackets: the names that follow the first
+                for name in _LISTED.findall(m.group(4)):
+                    yield f"{m.group(1)} {name}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import doc_class_names
 import doc_file_symbols
+import doc_short_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,8 @@ _RELATIVE_BASES = ("", "tpguide", "tpguide/kernels", "tests")
 #: ``docs/architecture.md §7 "KV cache"``, ``docs/gpu.md, "Exactness on CUDA"``: a doc page, its numbered
 #: section(s) and a section title (a title cut by the end of a docstring line is checked as far as it goes).
 _SECTION = re.compile(r'(?<![\w/-])docs/([\w-]+\.md)((?:,? §\d+)*)(?:,? "([^"]+)(?:"|$))?')
+#: ``architecture.md §9`` without ``docs/`` (a doc page citing another): a numbered section, maybe a title.
+_BARE_SECTION = re.compile(r'(?<![\w/.-])([\w-]+\.md)((?:,? §\d+)+)(?:,? "([^"]+)(?:"|$))?')
 
 
 def pages(root: Path = ROOT) -> List[Path]:
@@ -85,12 +88,16 @@ def references(lines) -> Iterator[Tuple[int, str, str]]:
             yield number, "class name", ref
         for ref in doc_file_symbols.references(line, following):
             yield number, "name in file", ref
-        for m in _SECTION.finditer(line):
+        for ref in doc_short_roles.references(line):
+            yield number, "short role", ref
+        for m in [*_SECTION.finditer(line), *_BARE_SECTION.finditer(line)]:
             page, numbers, title = m.groups()
-            for n in re.findall(r"§(\d+)", numbers):
+            numbers = re.findall(r"§(\d+)", numbers)
+            for n in numbers:
                 yield number, "section", f"docs/{page} §{n}"
-            if title:
-                yield number, "section", f'docs/{page} "{title.strip()}"'
+            if title:  # after one section number: a title inside that section
+                where = f" §{numbers[0]}" if len(numbers) == 1 else ""
+                yield number, "section", f'docs/{page}{where} "{title.strip()}"'
             if not numbers and not title:
                 yield number, "section", f"docs/{page}"
 
@@ -246,22 +253,36 @@ def name_exists(ref: str, root: Path = ROOT) -> bool:
     return False
 
 
-def _headings(page: Path) -> List[str]:
-    """The names of ``page``'s sections, outside fenced code: its headings, and bold labels that start a
-    paragraph or a bullet (``**Fixed-order reductions** (the default ...``)."""
+def _headings(page: Path) -> List[Tuple[int, str]]:
+    """``(level, name)`` of ``page``'s sections, outside fenced code: its headings (level 1-6), and bold
+    labels that start a paragraph or a bullet (``**Fixed-order reductions** (the default ...``, level 7)."""
     out, inside = [], False
     for line in page.read_text(encoding="utf-8").splitlines():
         if line.lstrip().startswith("```"):
             inside = not inside
         elif not inside and re.match(r"^#{1,6} ", line):
-            out.append(line.lstrip("#").strip())
+            out.append((len(line) - len(line.lstrip("#")), line.lstrip("#").strip()))
         elif not inside:
-            out.extend(re.findall(r"^(?:[*-] )?\*\*([^*]+)\*\*", line))
+            out.extend((7, label) for label in re.findall(r"^(?:[*-] )?\*\*([^*]+)\*\*", line))
     return out
 
 
+def _in_section(headings: List[Tuple[int, str]], number: str) -> List[str]:
+    """The names of the headings inside section ``number`` (``## N. ...`` up to the next heading as high)."""
+    for i, (level, name) in enumerate(headings):
+        if name.startswith(number + ". "):
+            inside = []
+            for deeper, sub in headings[i + 1:]:
+                if deeper <= level:
+                    break
+                inside.append(sub)
+            return inside
+    return []
+
+
 def section_exists(ref: str, root: Path = ROOT) -> bool:
-    """Whether ``docs/x.md``, ``docs/x.md §N`` (a heading ``N. ...``) or ``docs/x.md "Title"`` exists.
+    """Whether ``docs/x.md``, ``docs/x.md §N`` (a heading ``N. ...``), ``docs/x.md "Title"`` or
+    ``docs/x.md §N "Title"`` (the title inside section N) exists.
 
     A title matches a heading that starts with it, so a title cut at a line's
     end (or shortened, "Speed on CUDA") still names its section.
@@ -272,10 +293,11 @@ def section_exists(ref: str, root: Path = ROOT) -> bool:
     if not where:
         return True
     headings = _headings(root / page)
-    if where.startswith("§"):
-        return any(h.startswith(where[1:] + ". ") for h in headings)
-    title = where.strip('"')
-    return any(h.startswith(title) for h in headings)
+    number, _, title = where.partition(" ") if where.startswith("§") else ("", "", where)
+    if number and not title:
+        return any(h.startswith(number[1:] + ". ") for _, h in headings)
+    inside = _in_section(headings, number[1:]) if number else [h for _, h in headings]
+    return any(h.startswith(title.strip('"')) for h in inside)
 
 
 def broken_references(page: Path, root: Path = ROOT) -> List[str]:
@@ -284,9 +306,12 @@ def broken_references(page: Path, root: Path = ROOT) -> List[str]:
     for number, kind, ref in references(prose_lines(page)):
         if kind in ("class name", "name in file") and page.name == "changelog.md":
             continue  # history names what is gone
+        if kind == "short role" and page.suffix != ".py":
+            continue  # a Sphinx role is a docstring's
         check = {"path": path_exists, "relative path": relative_path_exists, "name": name_exists,
                  "section": section_exists, "class name": doc_class_names.class_name_exists,
-                 "name in file": file_symbol_exists}[kind]
+                 "name in file": file_symbol_exists,
+                 "short role": lambda r, base: doc_short_roles.role_exists(r, page, base, name_exists)}[kind]
         ok = check(ref, root)
         if not ok:
             broken.append(f"{page.relative_to(root)}:{number}: {kind} {ref!r} does not exist")

@@ -44,16 +44,22 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         'docs/a.md §2, docs/a.md, "Gone", docs/gone.md\n'
         "`Config.check()`, `Config.gone`, `Missing`, vLLM's `Outside`, `SiluAndMul`, `Sub.limit`, `Sub.ratio`\n"
         "`engine/config.py` `Config.check`, `engine/config.py` (`DEFAULT`), `engine/other.py` (`Sub`, `x`), `engine/config.py`\n"
-        "  (`gone_next`)\n")
+        "  (`gone_next`)\n"
+        "`engine/config.py`: `Config`, `engine/config.py`: `gone_colon`, `engine/config.py` (`Config`, `DEFAULT`, `gone_listed`;"
+        " `gone_prose`)\n"
+        'docs/a.md §1 "Data parallel", docs/a.md §1 "Elsewhere", docs/a.md §3 "Elsewhere", a.md §3, a.md §4\n')
     (tmp_path / "docs" / "a.md").write_text(
         "## 1. Process\n### Data parallel\n```\n## 2. In code\n```\n**Fixed-order reductions** (the default)\n"
         "tpguide.engine.config.Config.check, tpguide.engine.other.Config.limit, tpguide.C.check, "
         "tpguide.engine.config.os.path, tpguide.engine.config.Config.ratio, tpguide.engine.config.Config.ratio.real\n"
         "`tpguide/engine/gone.py` and tpguide.engine.config.Config.gone; `engine/gone.py` (nano-vllm's "
         "``layers/linear.py``)\n"
-        "tpguide.engine.missing, tpguide.engine.config.DEFAULT.limit, tpguide.engine.other.DEFAULT\n")
+        "tpguide.engine.missing, tpguide.engine.config.DEFAULT.limit, tpguide.engine.other.DEFAULT\n"
+        "## 3. Other\n### Elsewhere\n")
     (pkg / "driver.py").write_text('"""See :class:`tpguide.engine.config.Gone`."""\nx = "tpguide.not.checked"  # '
-                                   'tpguide.engine.other.Config.nope\n')
+                                   'tpguide.engine.other.Config.nope\n'
+                                   'import asyncio\ndef run(limit):\n    """:func:`run`, :attr:`limit`, :class:`asyncio.Queue`, '
+                                   ':class:`other.Config`, :meth:`~Config.check`, :func:`gone_role`, :data:`other.GONE`."""\n')
     assert name_exists("tpguide.engine.other.Config.check", tmp_path)
     assert [b for p in pages(tmp_path) for b in broken_references(p, tmp_path)] == [
         "README.md:3: section 'docs/a.md §2' does not exist",
@@ -62,7 +68,12 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "README.md:4: class name 'Config.gone' does not exist",
         "README.md:4: class name 'Missing' does not exist",
         "README.md:5: name in file 'engine/other.py Sub' does not exist",
+        "README.md:5: name in file 'engine/other.py x' does not exist",
         "README.md:5: name in file 'engine/config.py gone_next' does not exist",
+        "README.md:7: name in file 'engine/config.py gone_colon' does not exist",
+        "README.md:7: name in file 'engine/config.py gone_listed' does not exist",
+        "README.md:8: section 'docs/a.md §1 \"Elsewhere\"' does not exist",  # a title of another section
+        "README.md:8: section 'docs/a.md §4' does not exist",
         "docs/a.md:7: name 'tpguide.engine.config.Config.ratio.real' does not exist",
         "docs/a.md:8: path 'tpguide/engine/gone.py' does not exist",
         "docs/a.md:8: name 'tpguide.engine.config.Config.gone' does not exist",
@@ -71,5 +82,7 @@ def test_the_checker_finds_broken_paths_and_names(tmp_path):
         "docs/a.md:9: name 'tpguide.engine.config.DEFAULT.limit' does not exist",
         "docs/a.md:9: name 'tpguide.engine.other.DEFAULT' does not exist",  # imported there, not exported
         "tpguide/engine/driver.py:1: name 'tpguide.engine.config.Gone' does not exist",
-        "tpguide/engine/driver.py:2: name 'tpguide.engine.other.Config.nope' does not exist",
+        "tpguide/engine/driver.py:5: short role 'gone_role' does not exist",
+        "tpguide/engine/driver.py:5: short role 'other.GONE' does not exist",
+        "tpguide/engine/driver.py:2: name 'tpguide.engine.other.Config.nope' does not exist",  # comments last
     ]
