@@ -26,6 +26,7 @@ from tpguide.dist.spawn import run_at_tp_size
 from tpguide.engine import EngineConfig, build_engine
 from tpguide.engine.request_io import parse_request_lines
 from tpguide.engine.startup import start_engine
+from tpguide.worker.protocol import DriverAborted
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
           "required": ["ok", "n"]}
@@ -104,3 +105,27 @@ def test_engine_needs_a_draft_head_exactly_with_draft_head_method(tiny_model_pat
     engine = build_engine(TPGroup(), tiny_model_path, EngineConfig(**BASE))
     with pytest.raises(ValueError, match="draft head is needed"):
         start_engine(engine.model, engine.group, PERFECT, tokenizer=engine.driver.tokenizer)
+
+
+def fail_after_head_drafting(group, model_dir):
+    """Module-level (spawnable): the driver fails in plan_step, after the drafting loop; what each rank saw."""
+    engine = build_engine(group, model_dir, PERFECT)
+    try:
+        if group.is_driver:
+            def fail(*args):
+                raise RuntimeError("injected failure after drafting")
+
+            engine.driver.plan_step = fail
+            engine.generate(parse_request_lines([json.dumps(REQUESTS[3])], 64))
+        else:
+            engine.run_worker()
+        return None
+    except (RuntimeError, DriverAborted) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_driver_failure_after_head_drafting_aborts_the_other_ranks(tiny_model_path):
+    """The drafting loop's collectives end before plan_step: a failure there is an ABORT the other rank reads."""
+    driver, worker = run_at_tp_size(fail_after_head_drafting, 2, tiny_model_path)
+    assert driver == "RuntimeError: injected failure after drafting"
+    assert worker.startswith("DriverAborted: rank 1: the driver (rank 0) failed between steps"), worker

@@ -167,8 +167,11 @@ class Engine:
             scheduled = drv.schedule_step()  # the drafting phase, then the scheduler
             if not scheduled:
                 return outputs
-        with self._between_steps(runs_collectives=self.draft_head is not None):  # the drafting loop's
-            head_drafts = self._draft_with_head(drv, scheduled) if self.draft_head is not None else None
+        head_drafts = None
+        if self.draft_head is not None:
+            with self._between_steps(runs_collectives=True):  # the drafting loop's DRAFT messages
+                head_drafts = self._draft_with_head(drv, scheduled)
+        with self._between_steps():  # after the loop every rank waits for the STEP message again
             planned = drv.plan_step(scheduled, head_drafts)
             fill_job = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
             C.broadcast_object(Message.for_step(planned.plan), self.group)
