@@ -6,12 +6,12 @@ speculator; requests reach it through :class:`~tpguide.engine.intake.Intake`
 (:func:`~tpguide.engine.outputs.request_output`).
 :class:`~tpguide.engine.engine.Engine` calls, per step::
 
-    scheduled = driver.schedule_step()                # drafts proposed, then scheduled (engine/drafting.py)
-    planned = driver.plan_step(scheduled, <draft-head drafts>)  # a ScheduledStep value (engine/planner.py)
-    fill    = driver.fill_bitmask(planned)            # a BitmaskFill, in a thread, while the forward runs
-    forward = runner.execute_model(planned.plan)      # every rank (tpguide/worker/runner.py)
-    result  = runner.sample_tokens(planned.plan, forward, driver.bitmask_slices(fill, tp_size))
-    outputs = driver.finish_step(planned, result, fill)         # StepFinisher (engine/finisher.py)
+    scheduled = driver.schedule_step()           # drafts proposed, then scheduled (engine/drafting.py)
+    step      = driver.plan_step(scheduled, <draft-head drafts>)  # a ScheduledStep (engine/planner.py)
+    fill      = driver.fill_bitmask(step)        # a BitmaskFill, in a thread, while the forward runs
+    forward   = runner.execute_model(step.plan)  # every rank (tpguide/worker/runner.py)
+    result    = runner.sample_tokens(step.plan, forward, driver.bitmask_slices(fill, tp_size))
+    outputs   = driver.finish_step(step, result, fill)  # StepFinisher (engine/finisher.py)
 
 Everything here fails per request: a dead end or a matcher error finishes
 that request with ``finish_reason="error"`` and a message, and the rest of
@@ -251,9 +251,9 @@ class Driver:
         self.num_steps += 1
         return scheduled_step_of(self.num_steps, with_head_drafts(scheduled, head_drafts))
 
-    def fill_bitmask(self, planned: ScheduledStep) -> BitmaskFill:
-        """Fill the guided rows of ``planned`` (runs in a thread while the forward runs)."""
-        token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(planned.bitmask_entries())
+    def fill_bitmask(self, scheduled_step: ScheduledStep) -> BitmaskFill:
+        """Fill the guided rows of ``scheduled_step`` (runs in a thread while the forward runs)."""
+        token_bitmask, token_mask, failed = self.guided.fill_bitmask_with_drafts(scheduled_step.bitmask_entries())
         for row in failed:
             token_mask[row] = 0  # the fill already reset the row; the request fails in finish_step
         forced = find_single_token_rows(token_bitmask, token_mask)
@@ -264,7 +264,7 @@ class Driver:
         """``(token_mask, per-rank word slices)`` of a fill, for the scatter."""
         return BitmaskSlices(fill.token_mask, split_bitmask(fill.token_bitmask, tp_size))
 
-    def finish_step(self, planned: ScheduledStep, result: StepResult,
+    def finish_step(self, scheduled_step: ScheduledStep, result: StepResult,
                     fill: Optional[BitmaskFill] = None, finished_only: bool = False) -> List[RequestOutput]:
         """Apply the step's result (:class:`StepFinisher`); the outputs of the requests that changed.
 
@@ -273,11 +273,11 @@ class Driver:
         request's new tokens are marked reported without an output
         (:meth:`~tpguide.engine.engine.Engine.step`).
         """
-        self.finisher.record_prompt_logprobs(planned, result)
-        self.finisher.finish(planned, result, self.guided, fill.dead_end_rows if fill is not None else (),
+        self.finisher.record_prompt_logprobs(scheduled_step, result)
+        self.finisher.finish(scheduled_step, result, self.guided, fill.dead_end_rows if fill is not None else (),
                              fill.forced_rows if fill is not None else frozenset())
         outputs = []
-        for s in planned.scheduled:
+        for s in scheduled_step.scheduled:
             req = s.request
             if self.scheduler.holds_slot(req):
                 self.kv.cache_final_blocks(req)  # full blocks of accepted tokens: reusable by later prefixes

@@ -21,7 +21,7 @@ and on every other rank :meth:`Engine.run_worker` until STOP.  One step::
              broadcast  the STEP message
     all      forward    StepRunner.execute_model(plan) -> ForwardOutput  (worker/runner.py)
              sample     StepRunner.sample_tokens(plan, forward, the fill's slices) -> StepResult
-    driver   finish     Driver.finish_step(planned, result, fill) -> outputs (engine/finisher.py)
+    driver   finish     Driver.finish_step(scheduled_step, result, fill) -> outputs (engine/finisher.py)
 
 The driver waits for the fill between the forward and the sampling; the
 other ranks run the same two phases (:meth:`StepRunner.execute`), with the
@@ -172,16 +172,16 @@ class Engine:
             with self._between_steps(runs_collectives=True):  # the drafting loop's DRAFT messages
                 head_drafts = self._draft_with_head(drv, scheduled)
         with self._between_steps():  # after the loop every rank waits for the STEP message again
-            planned = drv.plan_step(scheduled, head_drafts)
-            fill_job = self._pool.submit(drv.fill_bitmask, planned) if planned.plan.guided else None
-            C.broadcast_object(Message.for_step(planned.plan), self.group)
+            scheduled_step = drv.plan_step(scheduled, head_drafts)
+            fill_job = self._pool.submit(drv.fill_bitmask, scheduled_step) if scheduled_step.plan.guided else None
+            C.broadcast_object(Message.for_step(scheduled_step.plan), self.group)
         # inside the step: an error ends the process
-        forward = self.runner.execute_model(planned.plan)  # the fill job overlaps the forward
+        forward = self.runner.execute_model(scheduled_step.plan)  # the fill job overlaps the forward
         fill = fill_job.result() if fill_job is not None else None  # BitmaskFill
-        result = self.runner.sample_tokens(planned.plan, forward,
+        result = self.runner.sample_tokens(scheduled_step.plan, forward,
                                            drv.bitmask_slices(fill, self.group.tp_size) if fill is not None else None)
         with self._between_steps():
-            return outputs + drv.finish_step(planned, result, fill, finished_only)
+            return outputs + drv.finish_step(scheduled_step, result, fill, finished_only)
 
     def _draft_with_head(self, drv: Driver, scheduled) -> List[List[int]]:
         """The draft-head drafting loop (a collective): a DRAFT message per iteration, every rank drafts."""

@@ -1,4 +1,4 @@
-"""Finishing a step: (planned step, step result, dead-end rows) -> appended tokens and the stop checks (driver only).
+"""Finishing a step: (scheduled_step step, step result, dead-end rows) -> appended tokens and the stop checks (driver only).
 
 docs/architecture.md §1 ("One step, stage by stage", 9) and §5.  :meth:`Driver.finish_step
 <tpguide.engine.driver.Driver.finish_step>` calls :meth:`StepFinisher.finish`
@@ -54,7 +54,7 @@ class StepFinisher:
         self.spec = speculator
         self.detokenize = detokenize
 
-    def finish(self, planned: ScheduledStep, result: StepResult, guided, dead_end_rows: Sequence[int] = (),
+    def finish(self, scheduled_step: ScheduledStep, result: StepResult, guided, dead_end_rows: Sequence[int] = (),
                forced_rows: AbstractSet[int] = frozenset()) -> None:
         """Apply one step's result to its requests (see the module docstring).
 
@@ -68,12 +68,12 @@ class StepFinisher:
             Sample rows whose mask allowed one token id: a token appended from one counts as forced
             (``Request.num_forced_tokens``, the receipt).
         """
-        step = planned.number
+        step = scheduled_step.number
         for row in dead_end_rows:  # the bitmask fill failed there: the request fails first
-            self._fail_guided_row(planned.owner_of_row(row).request, guided, step)
+            self._fail_guided_row(scheduled_step.owner_of_row(row).request, guided, step)
         now = time.perf_counter()
-        for i, s in enumerate(planned.scheduled):
-            req, first_row = s.request, planned.first_rows[i]
+        for i, s in enumerate(scheduled_step.scheduled):
+            req, first_row = s.request, scheduled_step.first_rows[i]
             req.num_computed_tokens += len(s.token_ids)
             if req.is_finished or not s.samples:
                 continue
@@ -95,14 +95,14 @@ class StepFinisher:
         if self.spec is not None:
             self.spec.stats.record_pass(len(req.output_token_ids) - before)
 
-    def record_prompt_logprobs(self, planned: ScheduledStep, result: StepResult) -> None:
+    def record_prompt_logprobs(self, scheduled_step: ScheduledStep, result: StepResult) -> None:
         """Append this step's prompt logprobs to their requests."""
-        prompt, offsets = result.prompt_logprobs, planned.prompt_row_offsets
+        prompt, offsets = result.prompt_logprobs, scheduled_step.prompt_row_offsets
         if prompt is None or offsets is None:
             return
         logprobs, top_ids, top_lps = prompt.logprobs.tolist(), prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
-        targets = planned.plan.prompt_target_ids.tolist()
-        for i, s in enumerate(planned.scheduled):
+        targets = scheduled_step.plan.prompt_target_ids.tolist()
+        for i, s in enumerate(scheduled_step.scheduled):
             n = s.request.sampling_params.prompt_logprobs or 0
             for row in range(offsets[i], offsets[i + 1]):
                 s.request.prompt_logprobs.append({
