@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
 }
 #define PREFETCH_KEYS 16  /* attention: cache rows read this many keys ahead */
 #define PREFETCH_PAIRS 16 /* VDPBF16PS tile: weight k pairs ahead (2 KiB) */
-#define PREFETCH_ROWS 16  /* AVX-512 fmaf tile: weight k rows ahead */
+#define PREFETCH_ROWS 16  /* AVX-512 and AVX2 fmaf tiles: weight k rows ahead (1-2 KiB) */
 
 #define NB 32   /* columns per weight panel */
 #define MR 8    /* rows per register tile */
