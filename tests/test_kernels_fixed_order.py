@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tpguide.kernels import fixed_order_cpu
 from tpguide.kernels.fixed_order_cpu import (
     attention_fixed_order,
     choose_isa,
@@ -159,6 +160,23 @@ def test_attention_token_is_independent_of_its_batch_and_threads(dtype):
     windowed = _dense(q, kc, vc, slots, pos, 0.2, 21)
     for idx in ([141], list(range(50, 57)), [3, 140]):
         assert torch.equal(_dense(q[idx], kc, vc, slots[idx], pos[idx], 0.2, 21), windowed[idx])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_scratch_kept_between_calls_changes_no_bit(dtype, monkeypatch):
+    """The per-thread scratch the kernel reuses across layers (poisoned with NaN, then grown by a
+    longer call) gives every call the bits of a scratch of its own (one above the kept size)."""
+    q, kc, vc, slots, pos = _cache_and_queries(dtype, [9, 3, 130], 9, 3, 64, length=140)
+    monkeypatch.setattr(fixed_order_cpu, "SCRATCH_KEPT_FLOATS", 0)  # every call its own scratch
+    fresh_all = _dense(q, kc, vc, slots, pos, 0.2)
+    fresh_short = _dense(q[:12], kc, vc, slots[:12], pos[:12], 0.2)
+    monkeypatch.setattr(fixed_order_cpu, "SCRATCH_KEPT_FLOATS", 1 << 22)
+    _dense(q[:12], kc, vc, slots[:12], pos[:12], 0.2)
+    fixed_order_cpu._SCRATCH.buf.fill_(float("nan"))
+    assert torch.equal(_dense(q[:12], kc, vc, slots[:12], pos[:12], 0.2), fresh_short)
+    assert torch.equal(_dense(q, kc, vc, slots, pos, 0.2), fresh_all)  # grows the kept buffer
+    fixed_order_cpu._SCRATCH.buf.fill_(float("nan"))
+    assert torch.equal(_dense(q[:12], kc, vc, slots[:12], pos[:12], 0.2), fresh_short)
 
 
 def test_attention_rejects_positions_outside_the_cache():

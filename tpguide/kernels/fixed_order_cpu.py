@@ -87,6 +87,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 _LOCK = threading.Lock()
 _LIB: Optional[ctypes.CDLL] = None
 _ISA: Optional[str] = None
+_HAS_DPBF16 = False  # the loaded library has the VDPBF16PS tile (asked once, not per matmul)
+_SCRATCH = threading.local()  # the attention kernel's per-thread scratch, reused across calls and layers
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -128,7 +130,7 @@ def choose_isa(flags: set[str], forced: Optional[str]) -> str:
 
 
 def _load() -> ctypes.CDLL:
-    global _LIB, _ISA
+    global _LIB, _ISA, _HAS_DPBF16
     if _LIB is None:
         with _LOCK:
             if _LIB is None:
@@ -167,6 +169,7 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_rotary.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
                                                _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64)
                 lib.tpguide_rotary.restype = ctypes.c_int
+                _HAS_DPBF16 = bool(lib.tpguide_has_dpbf16())
                 _ISA, _LIB = isa, lib
     return _LIB
 
@@ -362,7 +365,7 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
                                               out.data_ptr(), out_code, int(sum_units), _threads())
         assert status == 0, f"tpguide_linear_units_amx returned {status}"
     elif m and packed.pairs:
-        if not lib.tpguide_has_dpbf16():
+        if not _HAS_DPBF16:
             raise ValueError(f"the weight is packed for VDPBF16PS, this process runs the {kernel_isa()} kernels")
         kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_pairs(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
@@ -538,7 +541,7 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     length = int(pos.max()) + 1 if max_seq_len is None else int(max_seq_len)
     threads = _threads()
     lib = _LIB or _load()
-    scratch = torch.empty(threads, lib.tpguide_attention_scratch_floats(length, d), dtype=torch.float32)
+    scratch = _attention_scratch(threads * lib.tpguide_attention_scratch_floats(length, d))
     status = lib.tpguide_attention(
         qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, tables.data_ptr(), num_seqs, max_blocks,
         block_size, num_blocks, seq.data_ptr(), pos.data_ptr(), t, h, hkv, d, length, float(scale),
@@ -549,6 +552,26 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"[0, {num_blocks}), and token_seq_index in "
                          f"[0, {num_seqs}); got positions {pos.tolist()}, sequences {seq.tolist()}")
     return out
+
+
+#: Largest attention scratch (fp32 values, all threads) kept between calls: 16 MiB.
+SCRATCH_KEPT_FLOATS = 1 << 22
+
+
+def _attention_scratch(floats: int) -> torch.Tensor:
+    """fp32 scratch of at least ``floats`` values for :func:`attention_fixed_order`, kept per calling thread.
+
+    Every layer of a step asks for about the same size (it grows with the longest sequence), so one
+    buffer serves them all instead of a fresh allocation of hundreds of KiB per layer; the kernel
+    writes every value it reads, so what a buffer held before changes nothing.  Above
+    :data:`SCRATCH_KEPT_FLOATS` (long prefills) the buffer is the call's own, not kept.
+    """
+    if floats > SCRATCH_KEPT_FLOATS:
+        return torch.empty(floats, dtype=torch.float32)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _SCRATCH.buf = torch.empty(floats, dtype=torch.float32)
+    return buf
 
 
 def mean_square_fixed_order(x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,17 @@
 #define USE_AVX2 1
 #endif
 
+/* Software prefetch of the cache lines of [p, p + n), for the streams the hardware prefetcher serves
+ * badly at decode sizes (weight panels, paged KV rows: it stops at 4 KiB pages); no effect on any
+ * value, and a prefetch past the end of an array is harmless (it never faults). */
+static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int64_t n) {
+    const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63);
+    for (; line < p + n; line += 64) __builtin_prefetch(line, 0, 3);
+}
+#define PREFETCH_KEYS 16  /* attention: cache rows read this many keys ahead */
+#define PREFETCH_PAIRS 16 /* VDPBF16PS tile: weight k pairs ahead (2 KiB) */
+#define PREFETCH_ROWS 16  /* AVX-512 and AVX2 fmaf tiles: weight k rows ahead (1-2 KiB) */
+
 #define NB 32   /* columns per weight panel */
 #define MR 8    /* rows per register tile */
 #define LANES 16 /* lanes of the fixed dot-product order (attention, norms) */
@@ -95,6 +106,7 @@ static inline __attribute__((always_inline)) void load_w_bf16(const uint16_t *w,
         for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();                            \
         for (int64_t k = 0; k < K; k++) {                                                            \
             __m512 w0, w1;                                                                           \
+            prefetch_bytes((const char *)(w + (k + PREFETCH_ROWS) * ldw), NB * sizeof(WTYPE));       \
             LOADW(w + k * ldw, m0, m1, &w0, &w1);                                                    \
             for (int r = 0; r < mr; r++) {                                                           \
                 const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);                                    \
@@ -145,6 +157,7 @@ static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *w
             a1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * NB + 8);                   \
         }                                                                                             \
         for (int64_t k = k0; k < k1; k++) {                                                           \
+            prefetch_bytes((const char *)(w + (k + PREFETCH_ROWS) * ldw), 16 * sizeof(WTYPE));        \
             const __m256 w0 = LOADW(w + k * ldw), w1 = LOADW(w + k * ldw + 8);                        \
             for (int r = 0; r < rows; r++) {                                                          \
                 const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                               \
@@ -744,6 +757,12 @@ int tpguide_attention(const void *q, const void *k_cache, const void *v_cache, i
                 for (int l = 0; l < KEYS; l++) {
                     const int64_t j = j0 + l, pos = jlo + j;
                     if (j < jn) {
+                        if (j + PREFETCH_KEYS < jn) { /* the cache rows PREFETCH_KEYS keys ahead */
+                            const int64_t pp = pos + PREFETCH_KEYS;
+                            const int64_t prow = table[pp / block_size] * block_size + pp % block_size;
+                            prefetch_bytes((const char *)k_cache + prow * jstride + kvh * D * esize, D * esize);
+                            prefetch_bytes((const char *)v_cache + prow * jstride + kvh * D * esize, D * esize);
+                        }
                         const int64_t row = table[pos / block_size] * block_size + pos % block_size;
                         const char *ksrc = (const char *)k_cache + row * jstride + kvh * D * esize;
                         if (dtype == 0) {
@@ -1054,6 +1073,7 @@ static inline __attribute__((always_inline)) void pair_tile_rows(const int mr, c
     __m512 a0[MR], a1[MR];
     for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < K_pad / 2; p++) {
+        prefetch_bytes((const char *)(w + (p + PREFETCH_PAIRS) * NB * 2), NB * 2 * 2);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2));
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2 + 32));
         for (int r = 0; r < mr; r++) {
