@@ -29,16 +29,14 @@ released there.  The draft head reads its rows from the checkpoint file.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpguide.kernels.fixed_order_cpu import PANEL, PackedWeight
+from tpguide.model.c_heap import trim_c_heap
 
 
 class ReleasedWeight(torch.Tensor):
@@ -108,28 +106,15 @@ def hold_packed_only(weight: nn.Parameter, packed: PackedWeight,
     return held
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim``, or None (another C library)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def trim_freed_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``); False where there is none.
 
-    A freed checkpoint layout below glibc's (dynamic) mmap threshold, and the
+    A freed checkpoint layout below glibc's mmap threshold, and the
     packing's temporaries, leave free holes inside the heap that stay in the
     resident set; measured on the ~1 B benchmark (docs/benchmarks.md,
     "Weights held once") they held up to 0.7 GiB after start-up.
     """
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return trim_c_heap()
 
 
 def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from tpguide.model.invariant_reduce import (
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
 #: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).
-PARTIALS_CHUNK_BYTES = 32 << 20
+PARTIALS_CHUNK_BYTES = 8 << 20
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
