@@ -29,13 +29,13 @@ released there.  The draft head reads its rows from the checkpoint file.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import PANEL, PackedWeight
+from tpguide.kernels.fixed_order_cpu import PACK_CHUNK_ROWS, PANEL, PackedWeight, pack_weight
 from tpguide.model.c_heap import trim_c_heap
 
 
@@ -104,6 +104,38 @@ def hold_packed_only(weight: nn.Parameter, packed: PackedWeight,
     for module, name in users.pop(id(weight), []):
         setattr(module, name, held)
     return held
+
+
+def pack_in_place(weight: nn.Parameter) -> Optional[PackedWeight]:
+    """Pack ``weight [N, K]`` (one unit) into its own storage, :data:`PACK_CHUNK_ROWS` rows at a time; None
+    (nothing written) where the packed panels would not fit that storage exactly.
+
+    A one-unit layout with ``N % PANEL == 0`` and no ``k`` padding puts
+    panel ``p`` on the bytes of rows ``p*PANEL .. (p+1)*PANEL``, so each chunk
+    is packed (:func:`~tpguide.kernels.fixed_order_cpu.pack_weight`, the same
+    bits as packing the whole weight: panels never mix) and written over its
+    own rows, and the packed copy never sits beside the checkpoint layout:
+    the start-up's peak is one chunk above the weight, not the weight twice
+    (the ~1 B benchmark's tied LM head: 192 MiB at tp 1).  The checkpoint
+    layout is gone afterwards: the caller must release ``weight``
+    (:func:`hold_packed_only`).  Needs a contiguous weight owning its whole
+    storage (CPU, fp32 or bf16), else None.
+    """
+    w = weight.detach()
+    if w.dim() != 2 or not w.is_contiguous() or w.storage_offset() != 0 \
+            or w.untyped_storage().nbytes() != w.numel() * w.element_size() or w.shape[0] % PANEL:
+        return None
+    n, k = w.shape
+    rows = max(PANEL, PACK_CHUNK_ROWS // PANEL * PANEL)
+    first = pack_weight(w[:rows])
+    if first.padded_unit_size != k:  # k padded to the tile (AMX): the panels outgrow the storage
+        return None
+    flat = w.view(-1)
+    for r0 in range(0, n, rows):
+        part = first if r0 == 0 else pack_weight(w[r0:r0 + rows])
+        flat[r0 * k:(r0 + part.out_features) * k].copy_(part.panels.reshape(-1))
+    panels = flat.view(1, n // PANEL, *first.panels.shape[2:])
+    return PackedWeight(panels, n, k, 1, (w.data_ptr(), w._version), k, first.isa)
 
 
 def trim_freed_memory() -> bool:

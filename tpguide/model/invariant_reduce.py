@@ -52,7 +52,13 @@ from tpguide.kernels.fixed_order_cpu import (
     sum_units_fixed_order,
 )
 from tpguide.kernels.triton_path import use_triton
-from tpguide.model.held_weights import hold_packed_only, is_released, parameter_users, trim_freed_memory
+from tpguide.model.held_weights import (
+    hold_packed_only,
+    is_released,
+    pack_in_place,
+    parameter_users,
+    trim_freed_memory,
+)
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -124,6 +130,10 @@ def prepack_weights(module: torch.nn.Module) -> None:
         prepack = getattr(m, "prepack", None)
         if not callable(prepack):
             continue
+        weight = getattr(m, "weight", None)
+        if getattr(m, "packs_in_place", False) and getattr(m, "fixed_order", False) and \
+                isinstance(weight, torch.nn.Parameter) and not is_released(weight) and packs_on_cpu(weight):
+            m._packed_weight = pack_in_place(weight)  # released below: its storage now holds the panels
         prepack()
         packed, weight = getattr(m, "_packed_weight", None), getattr(m, "weight", None)
         if packed is not None and isinstance(weight, torch.nn.Parameter) and not is_released(weight):

@@ -39,7 +39,9 @@ from tpguide.model.invariant_reduce import (
 )
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
-#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).
+#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).  At
+#: 32 MiB a 1,024-token prefill of the ~1 B benchmark held about 40 MiB more per rank at its peak than at 8,
+#: at the same speed (docs/benchmarks.md, "Weights held once").
 PARTIALS_CHUNK_BYTES = 8 << 20
 
 
