@@ -7,7 +7,8 @@ weight is packed at start-up (:func:`tpguide.model.invariant_reduce.prepack_weig
 becomes a :class:`ReleasedWeight`, a tensor of the same shape, dtype, strides
 and device without storage, whose ``packed`` attribute is the
 :class:`PackedWeight`, so a rank's resident weights are its shard's bytes,
-not twice them.  Every module that shares the parameter (the tied embedding
+not twice them.  The LM head is packed into its own storage
+(:func:`pack_in_place`), so its packed copy is never held beside it.  Every module that shares the parameter (the tied embedding
 and LM head) gets the placeholder.
 
 Who reads a released weight, and how:

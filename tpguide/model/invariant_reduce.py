@@ -122,8 +122,10 @@ def prepack_weights(module: torch.nn.Module) -> None:
     as it is packed (:func:`tpguide.model.held_weights.hold_packed_only`: the
     parameter becomes a data-less placeholder carrying the packed copy, in
     every module sharing it), so a rank holds its weights once and the
-    start-up's peak is one layer's packed copy above that.  A second call
-    packs nothing new.
+    start-up's peak is one layer's packed copy above that; the LM head (a
+    module with ``packs_in_place``, the largest weight) is packed into its own
+    storage where its panels fit it (:func:`~tpguide.model.held_weights.pack_in_place`),
+    so not even its copy sits beside it.  A second call packs nothing new.
     """
     users = parameter_users(module)
     for m in module.modules():
