@@ -12,8 +12,8 @@ from tpguide.model import c_heap
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: In a fresh process: free a 16 MiB block first (glibc then raises its dynamic mmap threshold past 2 MiB),
-#: tune, and print whether a 2 MiB block is mapped on its own (mallinfo2's mapped bytes grow by it).
+#: In a fresh process: free a 32 MiB block first (glibc then raises its dynamic mmap threshold past 12 MiB),
+#: tune, and print whether a 12 MiB block is mapped on its own (mallinfo2's mapped bytes grow by it).
 PROBE = """
 import ctypes
 from tpguide.model import c_heap
@@ -27,11 +27,11 @@ libc = c_heap.glibc()
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
-libc.free(libc.malloc(16 << 20))
+libc.free(libc.malloc(32 << 20))
 print(c_heap.tune_c_heap(), c_heap.tune_c_heap())
 before = libc.mallinfo2().hblkhd
-block = libc.malloc(2 << 20)
-print(libc.mallinfo2().hblkhd - before >= 2 << 20)
+block = libc.malloc(12 << 20)
+print(libc.mallinfo2().hblkhd - before >= 12 << 20)
 libc.free(block)
 print(c_heap.trim_c_heap())
 """
@@ -47,7 +47,7 @@ def _probe(**env):
 @pytest.mark.skipif(c_heap.glibc() is None, reason="glibc's mallopt is what is tested; this C library has none")
 def test_tuned_threshold_maps_a_block_the_dynamic_one_would_not():
     assert _probe() == ["True", "True", "True", "True"]
-    # a threshold the user set through glibc's variable is kept: the 2 MiB block stays in the heap
+    # a threshold the user set through glibc's variable is kept: the 12 MiB block stays in the heap
     assert _probe(MALLOC_MMAP_THRESHOLD_=str(64 << 20)) == ["True", "True", "False", "True"]
 
 

@@ -28,11 +28,11 @@ from typing import Optional
 __all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "glibc", "trim_c_heap", "tune_c_heap"]
 
 #: Blocks of this size and more are mapped on their own (glibc's ``M_MMAP_THRESHOLD``; fixing it turns off the
-#: dynamic raise).  On the ~1 B benchmark at tp 2 it took a rank's peak from 1,856 to about 1,640 MiB, at the
-#: same speed (docs/benchmarks.md).
-MMAP_THRESHOLD_BYTES = 1 * 2**20
+#: dynamic raise).  On the ~1 B benchmark at tp 2 it took a rank's peak from about 1,860 to 1,650 MiB at the
+#: same speed; 1 MiB saved about 90 MiB more but made tp 2 about 30 % slower (docs/benchmarks.md).
+MMAP_THRESHOLD_BYTES = 8 * 2**20
 #: Free space at the heap's top handed back to the system past this (glibc's ``M_TRIM_THRESHOLD``).
-TRIM_THRESHOLD_BYTES = 16 * 2**20
+TRIM_THRESHOLD_BYTES = 64 * 2**20
 #: ``mallopt`` parameter numbers, from glibc's ``malloc.h``.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: The environment variables glibc reads at its first allocation; one the user set wins over this module.
