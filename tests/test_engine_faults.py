@@ -68,8 +68,8 @@ def test_non_finite_logits_fail_one_request_with_step_and_rank(tiny_model_path, 
 def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, reference, monkeypatch):
     add_request = GuidedDecoder.add_request
 
-    def tagging_add_request(self, slot, params, thinking=None):
-        add_request(self, slot, params, thinking)
+    def tagging_add_request(self, slot, params, thinking=None, compiled=None):
+        add_request(self, slot, params, thinking, compiled=compiled)
         if params is not None and params.regex == DEAD_REGEX:
             self.record(slot).matcher.dead_after = 2
 
@@ -92,8 +92,8 @@ def test_grammar_dead_end_fails_one_request_before_softmax(tiny_model_path, refe
 def test_matcher_error_while_filling_is_reported_with_its_reason(tiny_model_path, reference, monkeypatch):
     add_request = GuidedDecoder.add_request
 
-    def tagging_add_request(self, slot, params, thinking=None):
-        add_request(self, slot, params, thinking)
+    def tagging_add_request(self, slot, params, thinking=None, compiled=None):
+        add_request(self, slot, params, thinking, compiled=compiled)
         if params is not None and params.regex == DEAD_REGEX:
             self.record(slot).matcher.raise_after = 2
 

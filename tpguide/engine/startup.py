@@ -30,6 +30,7 @@ from tpguide.engine.driver import Driver
 from tpguide.engine.engine import Engine
 from tpguide.engine.kv_pool_size import kv_pool_num_blocks, report_kv_pool
 from tpguide.guided.schema_check import import_jsonschema
+from tpguide.model.c_heap import tune_c_heap
 from tpguide.model.config import ModelConfig
 from tpguide.model.invariant_reduce import prepack_weights
 from tpguide.model.tokenizer_facts import producible_vocab_size
@@ -55,6 +56,7 @@ def build_engine(group: TPGroup, model_dir: Optional[str], config: EngineConfig)
     from tpguide.model.loader import load_model
     from tpguide.model.model_source import resolve_model_dir
 
+    tune_c_heap()  # glibc's malloc thresholds fixed before the weights load (tpguide/model/c_heap.py)
     model_dir = str(resolve_model_dir(model_dir, group))  # HF directory, FILE.gguf (converted once) or default
     # every rank checks the directory and tp size before the first collective,
     # so each one fails with the same clear message

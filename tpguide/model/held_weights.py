@@ -7,7 +7,8 @@ weight is packed at start-up (:func:`tpguide.model.invariant_reduce.prepack_weig
 becomes a :class:`ReleasedWeight`, a tensor of the same shape, dtype, strides
 and device without storage, whose ``packed`` attribute is the
 :class:`PackedWeight`, so a rank's resident weights are its shard's bytes,
-not twice them.  Every module that shares the parameter (the tied embedding
+not twice them.  The LM head is packed into its own storage
+(:func:`pack_in_place`), so its packed copy is never held beside it.  Every module that shares the parameter (the tied embedding
 and LM head) gets the placeholder.
 
 Who reads a released weight, and how:
@@ -29,16 +30,14 @@ released there.  The draft head reads its rows from the checkpoint file.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpguide.kernels.fixed_order_cpu import PANEL, PackedWeight
+from tpguide.kernels.fixed_order_cpu import PACK_CHUNK_ROWS, PANEL, PackedWeight, pack_weight
+from tpguide.model.c_heap import trim_c_heap
 
 
 class ReleasedWeight(torch.Tensor):
@@ -108,28 +107,47 @@ def hold_packed_only(weight: nn.Parameter, packed: PackedWeight,
     return held
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's ``malloc_trim``, or None (another C library)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+def pack_in_place(weight: nn.Parameter) -> Optional[PackedWeight]:
+    """Pack ``weight [N, K]`` (one unit) into its own storage, :data:`PACK_CHUNK_ROWS` rows at a time; None
+    (nothing written) where the packed panels would not fit that storage exactly.
+
+    A one-unit layout with ``N % PANEL == 0`` and no ``k`` padding puts
+    panel ``p`` on the bytes of rows ``p*PANEL .. (p+1)*PANEL``, so each chunk
+    is packed (:func:`~tpguide.kernels.fixed_order_cpu.pack_weight`, the same
+    bits as packing the whole weight: panels never mix) and written over its
+    own rows, and the packed copy never sits beside the checkpoint layout:
+    the start-up's peak is one chunk above the weight, not the weight twice
+    (the ~1 B benchmark's tied LM head: 192 MiB at tp 1).  The checkpoint
+    layout is gone afterwards: the caller must release ``weight``
+    (:func:`hold_packed_only`).  Needs a contiguous weight owning its whole
+    storage (CPU, fp32 or bf16), else None.
+    """
+    w = weight.detach()
+    if w.dim() != 2 or not w.is_contiguous() or w.storage_offset() != 0 \
+            or w.untyped_storage().nbytes() != w.numel() * w.element_size() or w.shape[0] % PANEL:
         return None
+    n, k = w.shape
+    rows = max(PANEL, PACK_CHUNK_ROWS // PANEL * PANEL)
+    first = pack_weight(w[:rows])
+    if first.padded_unit_size != k:  # k padded to the tile (AMX): the panels outgrow the storage
+        return None
+    flat = w.view(-1)
+    for r0 in range(0, n, rows):
+        part = first if r0 == 0 else pack_weight(w[r0:r0 + rows])
+        flat[r0 * k:(r0 + part.out_features) * k].copy_(part.panels.reshape(-1))
+    panels = flat.view(1, n // PANEL, *first.panels.shape[2:])
+    return PackedWeight(panels, n, k, 1, (w.data_ptr(), w._version), k, first.isa)
 
 
 def trim_freed_memory() -> bool:
     """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``); False where there is none.
 
-    A freed checkpoint layout below glibc's (dynamic) mmap threshold, and the
+    A freed checkpoint layout below glibc's mmap threshold, and the
     packing's temporaries, leave free holes inside the heap that stay in the
     resident set; measured on the ~1 B benchmark (docs/benchmarks.md,
     "Weights held once") they held up to 0.7 GiB after start-up.
     """
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return trim_c_heap()
 
 
 def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

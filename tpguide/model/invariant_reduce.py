@@ -52,7 +52,13 @@ from tpguide.kernels.fixed_order_cpu import (
     sum_units_fixed_order,
 )
 from tpguide.kernels.triton_path import use_triton
-from tpguide.model.held_weights import hold_packed_only, is_released, parameter_users, trim_freed_memory
+from tpguide.model.held_weights import (
+    hold_packed_only,
+    is_released,
+    pack_in_place,
+    parameter_users,
+    trim_freed_memory,
+)
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
 #: :func:`reduction_block_size`).
@@ -116,14 +122,20 @@ def prepack_weights(module: torch.nn.Module) -> None:
     as it is packed (:func:`tpguide.model.held_weights.hold_packed_only`: the
     parameter becomes a data-less placeholder carrying the packed copy, in
     every module sharing it), so a rank holds its weights once and the
-    start-up's peak is one layer's packed copy above that.  A second call
-    packs nothing new.
+    start-up's peak is one layer's packed copy above that; the LM head (a
+    module with ``packs_in_place``, the largest weight) is packed into its own
+    storage where its panels fit it (:func:`~tpguide.model.held_weights.pack_in_place`),
+    so not even its copy sits beside it.  A second call packs nothing new.
     """
     users = parameter_users(module)
     for m in module.modules():
         prepack = getattr(m, "prepack", None)
         if not callable(prepack):
             continue
+        weight = getattr(m, "weight", None)
+        if getattr(m, "packs_in_place", False) and getattr(m, "fixed_order", False) and \
+                isinstance(weight, torch.nn.Parameter) and not is_released(weight) and packs_on_cpu(weight):
+            m._packed_weight = pack_in_place(weight)  # released below: its storage now holds the panels
         prepack()
         packed, weight = getattr(m, "_packed_weight", None), getattr(m, "weight", None)
         if packed is not None and isinstance(weight, torch.nn.Parameter) and not is_released(weight):

@@ -39,8 +39,10 @@ from tpguide.model.invariant_reduce import (
 )
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
-#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).
-PARTIALS_CHUNK_BYTES = 32 << 20
+#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).  At
+#: 32 MiB the ~1 B benchmark's first prefill held about 40 MiB more per rank at its peak than at 8 (with a
+#: 1 MiB mmap threshold); tok/s at tp 2 stayed within the machine's noise (docs/benchmarks.md, "Weights held once").
+PARTIALS_CHUNK_BYTES = 8 << 20
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -138,6 +138,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     #: Set by a TP-invariant model: fixed-order matmul (see ColumnParallelLinear).
     fixed_order: bool = False
+    #: :func:`~tpguide.model.invariant_reduce.prepack_weights` packs this (the largest) weight into its own
+    #: storage where the panels fit it (:func:`~tpguide.model.held_weights.pack_in_place`).
+    packs_in_place: bool = True
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead has no forward; call compute_logits")
