@@ -367,10 +367,7 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     elif m and packed.pairs:
         if not _HAS_DPBF16:
             raise ValueError(f"the weight is packed for VDPBF16PS, this process runs the {kernel_isa()} kernels")
-        kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
-        status = lib.tpguide_linear_units_pairs(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,
-                                                out.data_ptr(), out_code, int(sum_units), 1, 0, _threads())
-        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
+        _linear_pairs(x, packed, out, out_code, sum_units, PAIR_INSTRUCTIONS["VDPBF16PS"], emulate=False)
     elif m:
         xf = x.float().contiguous()
         status = lib.tpguide_linear_units(xf.data_ptr(), m, k, packed.panels.data_ptr(),
@@ -387,6 +384,16 @@ def _pair_rows(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     if kp != packed.unit_size:  # zero columns up to the pair / tile width, per unit
         xb = torch.nn.functional.pad(xb.reshape(m, u, packed.unit_size), (0, kp - packed.unit_size))
     return xb.reshape(m, u * kp).contiguous()
+
+
+def _linear_pairs(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor, out_code: int, sum_units: bool,
+                  instruction: int, emulate: bool) -> None:
+    """``tpguide_linear_units_pairs`` into ``out``: the intrinsic (``emulate`` False) or its C emulation."""
+    kp, u, xb = packed.padded_unit_size, packed.num_units, _pair_rows(x, packed)
+    status = (_LIB or _load()).tpguide_linear_units_pairs(
+        xb.data_ptr(), x.shape[0], u * kp, packed.panels.data_ptr(), kp, u, packed.out_features, out.data_ptr(),
+        out_code, int(sum_units), instruction, int(emulate), _threads())
+    assert status == 0, f"tpguide_linear_units_pairs returned {status}"
 
 
 #: Instruction codes of ``tpguide_linear_units_pairs``.
@@ -439,14 +446,10 @@ def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, instruction: st
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
         raise ValueError(f"x has {k} features, the weight takes {packed.unit_size * packed.num_units}")
-    n, u, kp = packed.out_features, packed.num_units, packed.padded_unit_size
+    n, u = packed.out_features, packed.num_units
     out = torch.empty((m, n) if sum_units else (u, m, n), dtype=torch.float32)
     if m:
-        xb = _pair_rows(x, packed)
-        status = (_LIB or _load()).tpguide_linear_units_pairs(
-            xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n, out.data_ptr(), 0, int(sum_units),
-            code, 1, _threads())
-        assert status == 0, f"tpguide_linear_units_pairs returned {status}"
+        _linear_pairs(x, packed, out, 0, sum_units, code, emulate=True)
     return out
 
 

@@ -20,7 +20,6 @@ to call: nothing is done and the functions return False.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 from typing import Optional
@@ -43,7 +42,7 @@ ENV_NAMES = {M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_", M_MMAP_THRESHOLD: "MALL
 def glibc() -> Optional[ctypes.CDLL]:
     """The process's glibc (with ``mallopt`` and ``malloc_trim``), or None under another C library."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already runs on (no ldconfig subprocess)
         for name in ("gnu_get_libc_version", "mallopt", "malloc_trim"):  # musl has no gnu_get_libc_version
             getattr(libc, name)
     except (OSError, AttributeError):

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpguide.kernels.fixed_order_cpu import PACK_CHUNK_ROWS, PANEL, PackedWeight, pack_weight
-from tpguide.model.c_heap import trim_c_heap
 
 
 class ReleasedWeight(torch.Tensor):
@@ -137,17 +136,6 @@ def pack_in_place(weight: nn.Parameter) -> Optional[PackedWeight]:
         flat[r0 * k:(r0 + part.out_features) * k].copy_(part.panels.reshape(-1))
     panels = flat.view(1, n // PANEL, *first.panels.shape[2:])
     return PackedWeight(panels, n, k, 1, (w.data_ptr(), w._version), k, first.isa)
-
-
-def trim_freed_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``); False where there is none.
-
-    A freed checkpoint layout below glibc's mmap threshold, and the
-    packing's temporaries, leave free holes inside the heap that stay in the
-    resident set; measured on the ~1 B benchmark (docs/benchmarks.md,
-    "Weights held once") they held up to 0.7 GiB after start-up.
-    """
-    return trim_c_heap()
 
 
 def packed_rows(packed: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

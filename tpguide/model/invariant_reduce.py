@@ -52,12 +52,12 @@ from tpguide.kernels.fixed_order_cpu import (
     sum_units_fixed_order,
 )
 from tpguide.kernels.triton_path import use_triton
+from tpguide.model.c_heap import TRIM_THRESHOLD_BYTES, trim_c_heap
 from tpguide.model.held_weights import (
     hold_packed_only,
     is_released,
     pack_in_place,
     parameter_users,
-    trim_freed_memory,
 )
 
 #: The tp sizes whose results agree bit for bit (plus the running one, see
@@ -125,9 +125,13 @@ def prepack_weights(module: torch.nn.Module) -> None:
     start-up's peak is one layer's packed copy above that; the LM head (a
     module with ``packs_in_place``, the largest weight) is packed into its own
     storage where its panels fit it (:func:`~tpguide.model.held_weights.pack_in_place`),
-    so not even its copy sits beside it.  A second call packs nothing new.
+    so not even its copy sits beside it.  The freed layouts' heap pages go
+    back to the system (:func:`~tpguide.model.c_heap.trim_c_heap`) after each
+    :data:`~tpguide.model.c_heap.TRIM_THRESHOLD_BYTES` of them and at the end,
+    not after every weight (a mixture of experts has thousands, and each trim
+    walks the whole heap).  A second call packs nothing new.
     """
-    users = parameter_users(module)
+    users, untrimmed = parameter_users(module), 0
     for m in module.modules():
         prepack = getattr(m, "prepack", None)
         if not callable(prepack):
@@ -139,9 +143,14 @@ def prepack_weights(module: torch.nn.Module) -> None:
         prepack()
         packed, weight = getattr(m, "_packed_weight", None), getattr(m, "weight", None)
         if packed is not None and isinstance(weight, torch.nn.Parameter) and not is_released(weight):
+            untrimmed += weight.numel() * weight.element_size()
             hold_packed_only(weight, packed, users)
             del weight
-            trim_freed_memory()  # the freed layout's pages go back now, before the next layer packs
+            if untrimmed >= TRIM_THRESHOLD_BYTES:  # freed layouts' pages go back before the next layers pack
+                trim_c_heap()
+                untrimmed = 0
+    if untrimmed:
+        trim_c_heap()
 
 
 def packs_on_cpu(weight: torch.Tensor) -> bool:

@@ -53,6 +53,8 @@ summed locally and all-reduced once (plain kernels, exact only up to rounding).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,7 +147,8 @@ class SparseMoeBlock(nn.Module):
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending inside
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host read
-        spans = [(e, sum(counts[:e]), n) for e, n in enumerate(counts) if n]  # (expert, first pair, pairs)
+        starts = [0, *itertools.accumulate(counts)]
+        spans = [(e, starts[e], n) for e, n in enumerate(counts) if n]  # (expert, first pair, pairs)
         rows = x.index_select(0, order // k)  # [T*k, H], grouped by expert
         gate_up = torch.cat([self.experts[e].gate_up_proj(rows[a:a + n]) for e, a, n in spans])  # [T*k, 2I/T]
         h = self.experts[0].act_and_mul(gate_up)  # [T*k, I/T], elementwise: one call for every expert
