@@ -274,8 +274,8 @@ class Driver:
         (:meth:`~tpguide.engine.engine.Engine.step`).
         """
         self.finisher.record_prompt_logprobs(scheduled_step, result)
-        self.finisher.finish(scheduled_step, result, self.guided, fill.dead_end_rows if fill is not None else (),
-                             fill.forced_rows if fill is not None else frozenset())
+        dead_end_rows, forced_rows = (fill.dead_end_rows, fill.forced_rows) if fill is not None else ((), frozenset())
+        self.finisher.finish(scheduled_step, result, self.guided, dead_end_rows, forced_rows)
         outputs = []
         for s in scheduled_step.scheduled:
             req = s.request

@@ -130,7 +130,7 @@ class StepFinisher:
 
     # ------------------------------------------------------------------ tokens
     def _append_verified(self, req: Request, drafts, result: StepResult, first_row: int, guided, step: int,
-                         forced_rows: AbstractSet[int] = frozenset()) -> None:
+                         forced_rows: AbstractSet[int]) -> None:
         """Speculative decode: append the verified window token by token, truncated at the first stop condition.
 
         Each token goes through :meth:`_append`, the matcher accepting it as any
@@ -155,7 +155,7 @@ class StepFinisher:
                 return
 
     def _append(self, req: Request, token: int, result: StepResult, row: int, guided, step: int,
-                forced_rows: AbstractSet[int] = frozenset()) -> None:
+                forced_rows: AbstractSet[int]) -> None:
         """Append one output token, advance the request's matcher by it, check the stop conditions."""
         req.output_token_ids.append(token)
         if row in forced_rows:

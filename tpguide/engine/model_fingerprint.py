@@ -135,7 +135,7 @@ def model_fingerprint(model_dir: str, chat_template: Any = None) -> Dict[str, An
             digest = file_sha256(Path(key))
         fresh[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
         roles[role][entry.name] = digest
-    if fresh != {k: v for k, v in cached.items() if k in fresh} or len(fresh) != len(cached):
+    if fresh != cached:
         _store_cache(cache_path, fresh)
     if chat_template is not None:
         text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template, sort_keys=True)

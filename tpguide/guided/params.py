@@ -50,7 +50,7 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
-from tpguide.guided.schema_check import check_schema_has_finite_instance, check_valid_schema
+from tpguide.guided.schema_check import check_schema_has_finite_instance, check_valid_schema_text
 
 #: Accepted values of ``--json-whitespace`` and of a request's ``json_whitespace``.
 WHITESPACE_MODES = ("compact", "bounded", "any")
@@ -212,7 +212,7 @@ class StructuredOutputsParams:
             if self.strict:
                 schema = _json.loads(text)
                 check_schema_has_finite_instance(schema)  # first: its reason names the unsatisfiable part
-                check_valid_schema(schema)
+                check_valid_schema_text(text)
             return text
         if key == "structural_tag":
             return _json_object_text("structural_tag", value)

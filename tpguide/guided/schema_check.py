@@ -382,7 +382,7 @@ def check_valid_schema(schema: Any) -> None:
     names the metaschema's complaint and the JSON pointer of the bad keyword.
     """
     jsonschema = import_jsonschema()
-    cls = type(validator_for_schema(schema))
+    cls = _validator_class(schema)
     try:
         cls.check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
@@ -399,10 +399,22 @@ def validator_for_schema(schema: Any) -> jsonschema.protocols.Validator:
     jsonschema.exceptions.SchemaError
         ``schema`` is not a valid schema of its dialect.
     """
+    cls = _validator_class(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _validator_class(schema: Any) -> type:
+    """The :mod:`jsonschema` validator class of ``schema``'s dialect (``$schema``, else by its spelling)."""
     jsonschema = import_jsonschema()
     default = jsonschema.Draft7Validator if _uses_draft07_spelling(schema) else jsonschema.Draft202012Validator
-    cls = jsonschema.validators.validator_for(schema, default=default)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return jsonschema.validators.validator_for(schema, default=default)
+
+
+@functools.lru_cache(maxsize=256)
+def check_valid_schema_text(schema_text: str) -> None:
+    """:func:`check_valid_schema` of a schema's JSON text, cached by the text (the metaschema check costs
+    milliseconds per request; a ValueError is raised again on every call, as exceptions are not cached)."""
+    check_valid_schema(json.loads(schema_text))
 
 
 @functools.lru_cache(maxsize=256)

@@ -85,8 +85,8 @@ def unenforced_keywords(schema: Any, backend_name: str) -> List[Tuple[str, str]]
             found.append((pointer, f"an enum of {len(value)} values ({len(json.dumps(value))} characters of JSON) "
                                    f"is over xgrammar's {XGRAMMAR_ENUM_CHARS}: its mask fill can run for minutes"))
         elif keyword == "$ref" and isinstance(value, str) and resolve_local_ref(schema, value) is None:
-            found.append((pointer, f"$ref {value!r} does not resolve inside the schema (only local JSON pointers "
-                                   f"'#/...' are followed), so no backend can enforce what it names"))
+            found.append((pointer, f"$ref {value!r} does not resolve inside the schema (only refs into this schema "
+                                   f"are followed: '#/...' pointers, anchors, its own $id), so no backend can enforce what it names"))
         elif keyword == "required" and (undeclared := undeclared_required(node)):
             found.append((pointer, f"'required' names {undeclared} that 'properties' does not declare, and no "
                                    f"backend writes an undeclared property"))

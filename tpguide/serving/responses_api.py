@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 
+from tpguide.guided.reasoning import THINK_END, single_token_id
 from tpguide.serving.errors import APIError, bad_request
 from tpguide.serving.protocol import ParsedRequest, parse_request
 from tpguide.serving.responses import TokenText, build_answer
@@ -110,20 +111,12 @@ class ResponsesCall:
         return ResponseEvents(self.response_id, self.body, created_at, self.end_token_id, on_done=self._keep)
 
 
-def think_end_token_id(tokenizer: Any) -> Optional[int]:
-    """The id of ``</think>`` when it is one token of ``tokenizer`` (reasoning models), else None."""
-    from tpguide.guided.reasoning import THINK_END
-
-    ids = tokenizer(THINK_END, add_special_tokens=False)["input_ids"]
-    return ids[0] if len(ids) == 1 else None
-
-
 def add_responses_routes(app: FastAPI, state: Any, handle: Any,
                          capacity: int = RESPONSES_STORE_SIZE) -> ResponseStore:
     """Register ``POST /v1/responses`` and ``GET /v1/responses/{id}``; ``handle(request, endpoint, call)``
     is the app's request handler.  Returns the store."""
     store = ResponseStore(capacity)
-    end_token_id = think_end_token_id(state.tokenizer)
+    end_token_id = single_token_id(state.tokenizer, THINK_END)  # the reasoning parser's own test of it
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
+from tpguide.serving.responses import usage
+
 #: Request fields echoed in the ``response`` object, with OpenAI's defaults.
 ECHOED_DEFAULTS = {"instructions": None, "max_output_tokens": None, "parallel_tool_calls": True,
                    "previous_response_id": None, "reasoning": None, "temperature": 1.0, "top_p": 1.0,
@@ -79,11 +81,11 @@ def reasoning_tokens(outputs: Sequence[Any], end_token_id: Optional[int]) -> int
 
 def response_usage(outputs: Sequence[Any], end_token_id: Optional[int]) -> Dict[str, Any]:
     """OpenAI's Responses ``usage`` of the final outputs (one per request)."""
-    prompt = sum(o.num_prompt_tokens for o in outputs)
-    completion = sum(len(o.token_ids) for o in outputs)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+    counts = usage(outputs, 1)  # one choice per request: the chat counts
+    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": counts["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens(outputs, end_token_id)},
-            "total_tokens": prompt + completion}
+            "total_tokens": counts["total_tokens"]}
 
 
 def response_object(response_id: str, body: Dict[str, Any], created_at: int, status: str,
