@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
+import doc_file_symbols
+
 #: ```Name``` or ```Name.attr``` (a call's ``()`` allowed): a CamelCase name with a lower-case letter.
 CLASS_NAME = re.compile(r"(?<!'s )(?<!'s `)`+([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:\.([A-Za-z_]\w*))?(?:\(\))?`+")
 
@@ -63,7 +65,7 @@ def index(root: Path) -> Tuple[Set[str], Dict[str, List[Tuple[Set[str], List[str
     names: Set[str] = set(dir(builtins))
     classes: Dict[str, List[Tuple[Set[str], List[str]]]] = {}
     for path in sorted((root / "tpguide").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        for node in ast.walk(doc_file_symbols.tree(path)):
             if isinstance(node, ast.ClassDef):
                 bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
                 classes.setdefault(node.name, []).append((_bound_names(node.body), bases))

@@ -37,10 +37,16 @@ def references(line: str, following: str = "") -> Iterator[str]:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def tree(path: Path) -> ast.Module:
+    """``path`` parsed, once per process: every doc checker reads a module's syntax tree from here."""
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
 def bound_names(path: Path) -> Set[str]:
     """Every name a file binds anywhere: defs, classes, assignments (names and attributes), parameters."""
     names: Set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(tree(path)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):

@@ -62,7 +62,7 @@ def prose_lines(page: Path) -> Iterator[Tuple[int, str]]:
         yield from enumerate(text.splitlines(), 1)
         return
     lines = text.splitlines()
-    for node in ast.walk(ast.parse(text, filename=str(page))):
+    for node in ast.walk(doc_file_symbols.tree(page)):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             for number in range(node.lineno, node.end_lineno + 1):
                 yield number, lines[number - 1]
@@ -139,9 +139,7 @@ def _module_file(dotted: str, root: Path) -> Optional[Path]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+_tree = doc_file_symbols.tree
 
 
 def _bindings(body: list, module: str, path: Path) -> dict:

@@ -40,7 +40,7 @@ def references(line: str) -> Iterator[str]:
 def _imports(path: Path) -> frozenset:
     """Every name an ``import`` binds anywhere in ``path`` (its first part)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(doc_file_symbols.tree(path)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             out.update((a.asname or a.name).split(".")[0] for a in node.names)
     return frozenset(out)
