@@ -49,10 +49,22 @@ def compiler() -> list[str]:
     raise RuntimeError("no C compiler found (tried $CC, sysconfig CC and cc)")
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The files ``source`` includes by ``#include "name"`` from its own folder, in order (not recursive)."""
+    found = []
+    for line in source.read_text().splitlines():
+        words = line.strip().split()
+        if len(words) == 2 and words[0] == "#include" and words[1].startswith('"'):
+            found.append(source.parent / words[1].strip('"'))
+    return found
+
+
 def library_path(source: Path, cc: Sequence[str], cflags: Sequence[str]) -> Path:
-    """Cache file for this source, compiler, flags and machine."""
+    """Cache file for this source (and the local files it includes), compiler, flags and machine."""
     key = hashlib.sha256()
     key.update(source.read_bytes())
+    for included in local_includes(source):
+        key.update(included.read_bytes())
     key.update(repr((list(cc), list(cflags), platform.machine(), platform.system())).encode())
     return cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
 

@@ -33,6 +33,7 @@ from tpguide.kernels.fused_cpu import act_and_mul, takes
 from tpguide.kernels.triton_path import use_triton
 from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.config import ModelConfig
+from tpguide.model.decoder_stack_cpu import DecoderStackCPU
 from tpguide.model.invariant_reduce import reduction_block_size
 from tpguide.model.norm import RMSNorm
 from tpguide.model.parallel_linear import (
@@ -210,6 +211,17 @@ class LlamaModel(nn.Module):
             attn.rotary_emb = shared_rope.setdefault(attn.layer_type, attn.rotary_emb)
         self.norm = self.decoder_layer_cls.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
 
+    #: Run qualifying layers as one C call on CPU (:mod:`tpguide.model.decoder_stack_cpu`); False: per op.
+    use_decoder_stack: bool = True
+
+    def decoder_stack_cpu(self):
+        """The layers as one C call (:class:`~tpguide.model.decoder_stack_cpu.DecoderStackCPU`), or None."""
+        if not self.use_decoder_stack:
+            return None
+        if not hasattr(self, "_decoder_stack"):
+            self._decoder_stack = DecoderStackCPU.of(self, (LlamaDecoderLayer, LlamaAttention, LlamaMLP))
+        return self._decoder_stack
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if not self.decoder_layer_cls.carries_residual:
@@ -217,6 +229,10 @@ class LlamaModel(nn.Module):
                 x = layer(positions, x, meta)
             return self.norm(x)
         residual = None
+        stack = self.decoder_stack_cpu()
+        done = None if stack is None else stack.run(positions, x, meta)
+        if done is not None:  # the same kernels in one C call (docs/architecture.md §6)
+            return self.norm(*done)[0]
         for layer in self.layers:  # the residual carried: add + norm in one call (docs/architecture.md §6)
             x, residual = layer.forward_residual(positions, x, residual, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -1273,3 +1273,6 @@ int tpguide_linear_units_amx(const uint16_t *x, int64_t M, int64_t ldx, const ui
     return 0;
 }
 #endif
+
+/* The decoder stack in one call (its own file, one library). */
+#include "decoder_layers_cpu.c"

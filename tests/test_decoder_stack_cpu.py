@@ -1,0 +1,112 @@
+"""The decoder stack as one C call gives the per-op path's logits bit for bit, and steps aside when it cannot."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tpguide.model.decoder_stack_cpu as stack_module
+from tpguide.dist import TPGroup
+from tpguide.model.attention import AttentionMetadata
+from tpguide.model.invariant_reduce import prepack_weights
+from tpguide.model.loader import load_model
+from tpguide.model.random_checkpoint import write_random_checkpoint
+
+VOCAB = 512
+BLOCK = 4
+# a, b: prompts; steps of (sequence, context length, token ids): a chunked prefill beside b's whole
+# prompt, then b decoding beside a's second chunk (crossing blocks), then both decoding
+A = [11, 40, 7, 300, 2, 9, 81, 5, 64, 3, 200]
+B = [17, 4, 99, 12, 6, 250]
+STEPS = [[(0, 0, A[:7]), (1, 0, B)], [(1, 6, [5]), (0, 7, A[7:])], [(0, 11, [9]), (1, 7, [3])]]
+TABLES = {0: [7, 2, 5], 1: [0, 8]}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # intermediate 193: the down projection's unit is odd, so the bf16 pair layout pads it (K_pad 194)
+    return write_random_checkpoint(tmp_path_factory.mktemp("stack"), vocab_size=VOCAB, intermediate_size=193, seed=5)
+
+
+def _logits(model, stacked: bool, calls=None):
+    model.model.use_decoder_stack = stacked
+    model.allocate_kv_cache(9, BLOCK, 32)
+    out = []
+    for seqs in STEPS:
+        q, c = [len(t) for _, _, t in seqs], [ctx for _, ctx, _ in seqs]
+        meta = AttentionMetadata.from_block_tables([TABLES[s] for s, _, _ in seqs], q, c, block_size=BLOCK)
+        ids = torch.tensor([t for _, _, toks in seqs for t in toks])
+        before = len(calls or [])
+        out.append(model.compute_logits(model(ids, meta.token_positions, meta)))
+        assert calls is None or len(calls) == before + stacked  # the one call ran exactly when asked for
+    return out
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    real = stack_module.run_decoder_layers
+
+    def counted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(result is not None)
+        return result
+
+    monkeypatch.setattr(stack_module, "run_decoder_layers", counted)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("prepacked", [False, True], ids=["packed-on-use", "held-once"])
+def test_stack_call_equals_per_op(ckpt, calls, dtype, prepacked):
+    model = load_model(ckpt, TPGroup(), dtype=dtype)
+    if prepacked:
+        prepack_weights(model)
+    assert model.model.decoder_stack_cpu() is not None
+    stacked = _logits(model, True, calls)
+    per_op = _logits(model, False, calls)
+    assert all(calls)  # every stack call finished (none fell back)
+    for s, p in zip(stacked, per_op):
+        assert torch.equal(s, p)
+
+
+def test_stack_call_equals_per_op_on_avx2(ckpt):
+    """bf16 on the AVX2 class: the fmaf panels, the bf16 input widened in C (another process)."""
+    script = f"""
+import torch, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_decoder_stack_cpu import _logits
+from tpguide.dist import TPGroup
+from tpguide.model.loader import load_model
+from tpguide.kernels.fixed_order_cpu import kernel_isa
+model = load_model({str(ckpt)!r}, TPGroup(), dtype=torch.bfloat16)
+assert kernel_isa() == "avx2", kernel_isa()
+assert model.model.decoder_stack_cpu() is not None
+a, b = _logits(model, True), _logits(model, False)
+assert all(torch.equal(x, y) for x, y in zip(a, b))
+print("same")
+"""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_models_the_call_does_not_run_keep_the_per_op_path(tmp_path):
+    biased = load_model(write_random_checkpoint(tmp_path / "bias", vocab_size=VOCAB, attention_bias=True),
+                        TPGroup())
+    assert biased.model.decoder_stack_cpu() is None  # q/k/v biases: not in the call
+    plain = write_random_checkpoint(tmp_path / "plain", vocab_size=VOCAB)
+    assert load_model(plain, TPGroup(), tp_invariant=False).model.decoder_stack_cpu() is None
+
+
+def test_a_refused_step_raises_the_per_op_error(ckpt, calls):
+    model = load_model(ckpt, TPGroup(), dtype=torch.bfloat16)
+    model.allocate_kv_cache(3, BLOCK, 32)
+    meta = AttentionMetadata.from_block_tables([[0, 7]], [6], [0], block_size=BLOCK)  # block 7 of 3
+    with pytest.raises(ValueError, match="cache rows must lie in"):
+        model(torch.tensor(A[:6]), meta.token_positions, meta)
+    assert calls == [False]  # the C call refused, then the per-op path named the row

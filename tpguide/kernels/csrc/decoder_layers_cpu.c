@@ -1,0 +1,156 @@
+/* A Llama-shape decoder stack in one call: the kernels of fixed_order_cpu.c in the order the Python
+ * layers call them, without a trip through Python and torch between them.
+ * Included at the end of fixed_order_cpu.c (one library); the Python side is
+ * tpguide/kernels/decoder_layers_cpu.py, the design docs/architecture.md §6 "The decoder stack in one call".
+ *
+ * Per layer, with h / residual the model dtype (0 fp32, 2 bf16), [T, hidden]:
+ *   h, residual = add_rms_norm(h, residual, input_norm)          (tpguide_add_rms_norm; the first layer
+ *                                                                  has no residual: it becomes h)
+ *   qkv   = linear(h, W_qkv)                                     (one unit, stored in the model dtype)
+ *   q, kc = rotary(q, k, cos, sin), k and v written to the cache  (tpguide_rotary)
+ *   a     = attention(q, cache)                                  (tpguide_attention, model dtype)
+ *   o     = linear(a, W_o), one unit per head, units added in order
+ *   h, residual = add_rms_norm(o, residual, post_norm)
+ *   m     = act_and_mul(linear(h, W_gate_up))                    (tpguide_act_and_mul)
+ *   h     = linear(m, W_down), its reduction units added in order
+ * Each step is the exported kernel the per-op path calls with the same inputs, so every value is
+ * the per-op path's bit for bit.  A linear is the fmaf-chain kernel (fp32 x: a bf16 input widened
+ * exactly) or the VDPBF16PS pair kernel (bf16 x, each unit zero-padded to K_pad). */
+
+struct tpguide_linear_desc {
+    const void *panels;
+    int64_t kind; /* 0: tpguide_linear_units (fmaf), 1: tpguide_linear_units_pairs (VDPBF16PS) */
+    int64_t w_dtype, unit_size, k_pad, units, out_features;
+};
+
+struct tpguide_layer_desc {
+    const void *input_norm, *post_norm;
+    float input_eps, post_eps;
+    struct tpguide_linear_desc qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+    int64_t num_blocks;
+    const void *cos, *sin; /* [T, R] of the model dtype, this step's rows */
+    int64_t rotary_dim, window, act_op;
+    float scale, softcap;
+};
+
+struct tpguide_stack_step {
+    int64_t T, dtype, hidden, heads, kv_heads, head_dim, intermediate;
+    const int64_t *slots;        /* [T] cache rows */
+    const int64_t *block_tables; /* [num_seqs, max_blocks] */
+    int64_t num_seqs, max_blocks, block_size;
+    const int64_t *token_seq, *token_pos; /* [T] */
+    int64_t max_seq_len;
+    float *attention_scratch;
+    void *work; /* tpguide_stack_work_bytes(...) bytes */
+    int64_t threads, elements_per_thread;
+};
+
+static int64_t elem_threads(const struct tpguide_stack_step *s, int64_t elements) {
+    int64_t n = elements / s->elements_per_thread;
+    return n < 1 ? 1 : (n > s->threads ? s->threads : n);
+}
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* Bytes of the step's intermediates: qkv, rotated q, attention out, o, gate_up, act, the layer's
+ * output and the widened / padded input of a linear (the widest of the four). */
+int64_t tpguide_stack_work_bytes(int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                 int64_t intermediate, int64_t widest_padded_input) {
+    const int64_t qkv = (heads + 2 * kv_heads) * head_dim, hd = heads * head_dim;
+    const int64_t widest_in = max3(hidden, hd, intermediate);
+    const int64_t x_floats = max3(widest_in, widest_padded_input, 1);
+    return 4 * T * (qkv + 2 * hd + 2 * hidden + 3 * intermediate) + 4 * T * x_floats + 64 * 8;
+}
+
+/* out (model dtype, [T, N]) = linear(x [T, U * unit_size] of the model dtype); xbuf: scratch. */
+static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int64_t T, int64_t dtype, void *xbuf,
+                        void *out, int64_t threads) {
+    const int64_t K = w->unit_size * w->units;
+    if (w->kind == 0) {
+        const float *xf = (const float *)x;
+        if (dtype == 2) { /* x.float(): exact */
+            float *dst = (float *)xbuf;
+            const uint16_t *src = (const uint16_t *)x;
+            for (int64_t i = 0; i < T * K; i++) dst[i] = bf16_to_f32(src[i]);
+            xf = dst;
+        }
+        return tpguide_linear_units(xf, T, K, w->panels, w->w_dtype, w->unit_size, w->units, w->out_features, out,
+                                    dtype, 1, threads);
+    }
+    if (dtype != 2) return -1; /* pairs take bf16 x */
+    const uint16_t *xb = (const uint16_t *)x;
+    if (w->k_pad != w->unit_size) { /* each unit zero-padded to K_pad */
+        uint16_t *dst = (uint16_t *)xbuf;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t u = 0; u < w->units; u++) {
+                uint16_t *d = dst + (t * w->units + u) * w->k_pad;
+                memcpy(d, xb + t * K + u * w->unit_size, sizeof(uint16_t) * (size_t)w->unit_size);
+                memset(d + w->unit_size, 0, sizeof(uint16_t) * (size_t)(w->k_pad - w->unit_size));
+            }
+        xb = dst;
+    }
+    return tpguide_linear_units_pairs(xb, T, w->units * w->k_pad, (const uint16_t *)w->panels, w->k_pad, w->units,
+                                      w->out_features, out, dtype, 1, PAIR_VDPBF16PS, 0, threads);
+}
+
+/* Runs n_layers layers.  hidden: [T, hidden] the first layer's input, overwritten with the last
+ * layer's MLP output; residual: [T, hidden], read if has_residual (else the first layer's input
+ * becomes it), overwritten with the residual beside the output (their sum is the stack's output,
+ * as LlamaModel.forward carries it).  Returns 0, or the 1-based index of the kernel call that
+ * refused its arguments (layer * 16 + step + 1, step 0..8); the caller then runs the per-op path, which names
+ * the bad value. */
+int tpguide_decoder_layers(const struct tpguide_layer_desc *layers, int64_t n_layers,
+                           const struct tpguide_stack_step *s, void *hidden, void *residual, int64_t has_residual) {
+    const int64_t T = s->T, dt = s->dtype, esize = dt == 0 ? 4 : 2;
+    const int64_t hd = s->heads * s->head_dim, kvd = s->kv_heads * s->head_dim, qkv_w = hd + 2 * kvd;
+    char *w = (char *)(((uintptr_t)s->work + 63) & ~(uintptr_t)63);
+    void *qkv = w;
+    w += T * qkv_w * esize;
+    void *q_rot = w;
+    w += T * hd * esize;
+    void *attn = w;
+    w += T * hd * esize;
+    void *normed = w;
+    w += T * s->hidden * esize;
+    void *o = w;
+    w += T * s->hidden * esize;
+    void *gate_up = w;
+    w += 2 * T * s->intermediate * esize;
+    void *act = w;
+    w += T * s->intermediate * esize;
+    void *xbuf = (void *)(((uintptr_t)w + 63) & ~(uintptr_t)63);
+    const int64_t norm_threads = elem_threads(s, T * s->hidden);
+    for (int64_t i = 0; i < n_layers; i++) {
+        const struct tpguide_layer_desc *L = layers + i;
+        const int64_t code = i * 16 + 1;
+        const int first = i == 0 && !has_residual;
+        /* the first layer without a residual: h = norm(hidden), then residual = hidden (a bit copy) */
+        if (tpguide_add_rms_norm(hidden, first ? NULL : residual, L->input_norm, dt, T, s->hidden, L->input_eps,
+                                 normed, first ? NULL : residual, norm_threads))
+            return (int)code;
+        if (first) memcpy(residual, hidden, (size_t)(T * s->hidden * esize));
+        if (stack_linear(&L->qkv, normed, T, dt, xbuf, qkv, s->threads)) return (int)code + 1;
+        const char *qp = (const char *)qkv;
+        if (tpguide_rotary(qp, qkv_w, s->head_dim, qp + hd * esize, qkv_w, s->head_dim, qp + (hd + kvd) * esize,
+                           qkv_w, s->head_dim, dt, T, s->heads, s->kv_heads, s->head_dim, L->rotary_dim, L->cos,
+                           L->sin, q_rot, L->k_cache, L->v_cache, s->slots, L->num_blocks * s->block_size,
+                           elem_threads(s, T * (s->heads + 2 * s->kv_heads) * s->head_dim)))
+            return (int)code + 2;
+        if (tpguide_attention(q_rot, L->k_cache, L->v_cache, dt, s->block_tables, s->num_seqs, s->max_blocks,
+                              s->block_size, L->num_blocks, s->token_seq, s->token_pos, T, s->heads, s->kv_heads,
+                              s->head_dim, s->max_seq_len, L->scale, L->window, L->softcap, s->attention_scratch,
+                              attn, dt, s->threads))
+            return (int)code + 3;
+        if (stack_linear(&L->o, attn, T, dt, xbuf, o, s->threads)) return (int)code + 4;
+        if (tpguide_add_rms_norm(o, residual, L->post_norm, dt, T, s->hidden, L->post_eps, normed, residual,
+                                 norm_threads))
+            return (int)code + 5;
+        if (stack_linear(&L->gate_up, normed, T, dt, xbuf, gate_up, s->threads)) return (int)code + 6;
+        if (tpguide_act_and_mul(gate_up, 2 * s->intermediate, dt, T, s->intermediate, L->act_op, act,
+                                elem_threads(s, T * s->intermediate)))
+            return (int)code + 7;
+        if (stack_linear(&L->down, act, T, dt, xbuf, hidden, s->threads)) return (int)code + 8;
+    }
+    return 0;
+}
