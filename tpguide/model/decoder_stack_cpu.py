@@ -20,6 +20,7 @@ import torch
 from tpguide.kernels.decoder_layers_cpu import LayerDesc, linear_desc, run_decoder_layers
 from tpguide.kernels.fixed_order_cpu import UNARY_OPS, PackedWeight
 from tpguide.kernels.fused_cpu import takes
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.attention import AttentionMetadata
 from tpguide.model.held_weights import is_released
 from tpguide.model.invariant_reduce import packed_weight
@@ -116,12 +117,13 @@ class DecoderStackCPU:
             meta: AttentionMetadata) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(mlp_out, residual)`` of the last layer for ``hidden [T, hidden]``, or None: run the per-op path.
 
-        None when the step is not one the call takes (a CUDA tensor, another
+        None when the step is not one the call takes (the CUDA path, another
         dtype than the weights', a cache not allocated or of another dtype,
         block tables too short) or a kernel refused its arguments.
         """
         layers, dtype = self.layers, hidden.dtype
-        if not takes(hidden) or hidden.dim() != 2 or layers[0].input_layernorm.weight.dtype != dtype:
+        if use_triton(hidden) or not takes(hidden) or hidden.dim() != 2 \
+                or layers[0].input_layernorm.weight.dtype != dtype:  # the CUDA path (or forced: interpreted tests)
             return None
         widest = self._describe_weights()
         if widest is None:
