@@ -67,9 +67,10 @@ def test_stack_call_equals_per_op(ckpt, calls, dtype, prepacked):
     assert model.model.decoder_stack_cpu() is not None
     stacked = _logits(model, True, calls)
     per_op = _logits(model, False, calls)
+    again = _logits(model, True, calls)  # a new cache: the descriptions follow it
     assert all(calls)  # every stack call finished (none fell back)
-    for s, p in zip(stacked, per_op):
-        assert torch.equal(s, p)
+    for s, p, a in zip(stacked, per_op, again):
+        assert torch.equal(s, p) and torch.equal(a, p)
 
 
 def test_stack_call_equals_per_op_on_avx2(ckpt):

@@ -238,27 +238,31 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {i}: block table of {len(block_tables[i])} blocks x {block_size} tokens "
                                  f"cannot hold {context_lens[i] + query_lens[i]} positions")
         width = max(len(t) for t in block_tables)
-        tables = torch.zeros((n, width), dtype=torch.int64)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = torch.tensor(list(t), dtype=torch.int64)
-        q = torch.tensor(list(query_lens), dtype=torch.int64)
-        ctx = torch.tensor(list(context_lens), dtype=torch.int64)
-        start = torch.zeros(n + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=start[1:])
-        seq_index = torch.repeat_interleave(torch.arange(n), q)  # [T]
-        query_index = torch.arange(int(start[-1])) - start[seq_index]  # [T]
-        to = dict(device=device)
+        tables = torch.tensor([[*t, *([0] * (width - len(t)))] for t in block_tables], dtype=torch.int64)
+        ql, cl = [int(x) for x in query_lens], [int(x) for x in context_lens]
+        start = [0]
+        for x in ql:
+            start.append(start[-1] + x)
+        # per token, in Python lists: a decode step's few values cost less than a torch op each
+        seq_index = [i for i, x in enumerate(ql) for _ in range(x)]  # [T]
+        query_index = [j for x in ql for j in range(x)]  # [T]
+        positions = [cl[i] + j for i, j in zip(seq_index, query_index)]  # [T]
+        seq_lens = [c + x for c, x in zip(cl, ql)]
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         return cls(
-            block_tables=tables.to(**to),
-            query_start_loc=start.to(**to),
-            context_lens=ctx.to(**to),
-            query_lens=q.to(**to),
-            seq_lens=(ctx + q).to(**to),
-            token_seq_index=seq_index.to(**to),
-            token_query_index=query_index.to(**to),
-            token_positions=(ctx[seq_index] + query_index).to(**to),
-            max_query_len=int(q.max()),  # host tensors: no device sync
-            max_seq_len=int((ctx + q).max()),
+            block_tables=tables.to(device=device),
+            query_start_loc=tensor(start),
+            context_lens=tensor(cl),
+            query_lens=tensor(ql),
+            seq_lens=tensor(seq_lens),
+            token_seq_index=tensor(seq_index),
+            token_query_index=tensor(query_index),
+            token_positions=tensor(positions),
+            max_query_len=max(ql),  # host values: no device sync
+            max_seq_len=max(seq_lens),
         )
 
 

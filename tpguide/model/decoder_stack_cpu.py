@@ -66,6 +66,12 @@ class DecoderStackCPU:
         self.intermediate = layers[0].mlp.gate_up_proj.output_size_per_partition // 2
         self.descs = (LayerDesc * len(layers))()
         self._weights_fixed = False
+        self._attns = [layer.self_attn.attn for layer in layers]
+        self._caches: list = []  # the (k, v) cache tensors the descriptions point at
+        ropes: dict = {}  # layers by RoPE table (one table per layer type)
+        for i, layer in enumerate(layers):
+            ropes.setdefault(id(layer.self_attn.rotary_emb), (layer.self_attn.rotary_emb, []))[1].append(i)
+        self._ropes = list(ropes.values())
 
     @classmethod
     def of(cls, model, plain: Tuple[type, type, type]) -> Optional["DecoderStackCPU"]:
@@ -113,6 +119,17 @@ class DecoderStackCPU:
                                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
         return widest
 
+    def _describe_caches(self, caches: list, dtype: torch.dtype) -> bool:
+        """Point the descriptions at the layers' KV caches; False if one is missing or of another dtype."""
+        self._caches = []
+        for desc, (kc, vc) in zip(self.descs, caches):
+            if kc is None or vc is None or kc.dtype != dtype or vc.dtype != dtype or kc.shape != vc.shape \
+                    or not (kc.is_contiguous() and vc.is_contiguous()) or kc.size(1) != caches[0][0].size(1):
+                return False
+            desc.k_cache, desc.v_cache, desc.num_blocks = kc.data_ptr(), vc.data_ptr(), kc.size(0)
+        self._caches = caches
+        return True
+
     def run(self, positions: torch.Tensor, hidden: torch.Tensor,
             meta: AttentionMetadata) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(mlp_out, residual)`` of the last layer for ``hidden [T, hidden]``, or None: run the per-op path.
@@ -128,19 +145,21 @@ class DecoderStackCPU:
         widest = self._describe_weights()
         if widest is None:
             return None
-        block_size = None
-        tables = meta.block_tables
-        for desc, layer in zip(self.descs, layers):
-            attn = layer.self_attn
-            kc, vc = attn.attn.k_cache, attn.attn.v_cache
-            if kc is None or vc is None or kc.dtype != dtype or vc.dtype != dtype:
+        caches = [(a.k_cache, a.v_cache) for a in self._attns]
+        if len(caches) != len(self._caches) or any(k is not k0 or v is not v0 for (k, v), (k0, v0)
+                                                   in zip(caches, self._caches)):  # allocated anew
+            if not self._describe_caches(caches, dtype):
                 return None
-            block_size = kc.size(1)
-            desc.k_cache, desc.v_cache, desc.num_blocks = kc.data_ptr(), vc.data_ptr(), kc.size(0)
-            cos, sin = attn.rotary_emb.cos_sin(positions, dtype)  # [T, 1, R], cached per step per table
+        block_size = caches[0][0].size(1)
+        for rope, indices in self._ropes:
+            cos, sin = rope.cos_sin(positions, dtype)  # [T, 1, R], computed once per step per table
             if not (cos.is_contiguous() and sin.is_contiguous()):
                 return None
-            desc.cos, desc.sin, desc.rotary_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+            cp, sp, r = cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+            for i in indices:
+                desc = self.descs[i]
+                desc.cos, desc.sin, desc.rotary_dim = cp, sp, r
+        tables = meta.block_tables
         if meta.max_seq_len > tables.size(1) * block_size:
             return None
         tables = tables.to(torch.int64).contiguous()
