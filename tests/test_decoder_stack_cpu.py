@@ -89,10 +89,10 @@ a, b = _logits(model, True), _logits(model, False)
 assert all(torch.equal(x, y) for x, y in zip(a, b))
 print("same")
 """
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     if "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr[-2000:]
 
 
@@ -111,3 +111,46 @@ def test_a_refused_step_raises_the_per_op_error(ckpt, calls):
     with pytest.raises(ValueError, match="cache rows must lie in"):
         model(torch.tensor(A[:6]), meta.token_positions, meta)
     assert calls == [False]  # the C call refused, then the per-op path named the row
+
+
+def _edited(ckpt, tmp_path, **fields):
+    import json
+    import shutil
+
+    out = shutil.copytree(ckpt, tmp_path / "edited")
+    config = json.loads((out / "config.json").read_text())
+    config.update(fields)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("fields", [
+    {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 5},
+    {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}},
+], ids=["mistral-sliding-window", "partial-rotary"])
+def test_stack_call_equals_per_op_with_windows_and_partial_rotary(ckpt, calls, tmp_path, fields):
+    model = load_model(_edited(ckpt, tmp_path, **fields), TPGroup(), dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    assert attn.attn.sliding_window == fields.get("sliding_window")
+    assert (attn.rotary_emb.rotary_dim < attn.qkv_proj.head_dim) == ("rope_parameters" in fields)
+    stacked, per_op = _logits(model, True, calls), _logits(model, False, calls)
+    assert calls and all(calls)
+    for s, p in zip(stacked, per_op):
+        assert torch.equal(s, p)
+
+
+def test_mismatched_inputs_and_a_new_cache(ckpt, calls):
+    import gc
+    import weakref
+
+    model = load_model(ckpt, TPGroup(), dtype=torch.bfloat16)
+    model.allocate_kv_cache(9, BLOCK, 32)
+    meta = AttentionMetadata.from_block_tables([[0, 1]], [6], [0], block_size=BLOCK)
+    model(torch.tensor(A[:6]), meta.token_positions, meta)
+    old = weakref.ref(model.model.layers[0].self_attn.attn.k_cache)
+    model.allocate_kv_cache(9, BLOCK, 32)
+    gc.collect()
+    assert old() is None  # the stack does not hold the pool it last described
+    with pytest.raises(RuntimeError):  # 5 positions for 6 tokens: the per-op path refuses, the stack stepped aside
+        model(torch.tensor(A[:6]), meta.token_positions[:5], meta)
+    assert calls == [True]

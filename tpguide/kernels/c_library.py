@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,12 +52,7 @@ def compiler() -> list[str]:
 
 def local_includes(source: Path) -> list[Path]:
     """The files ``source`` includes by ``#include "name"`` from its own folder, in order (not recursive)."""
-    found = []
-    for line in source.read_text().splitlines():
-        words = line.strip().split()
-        if len(words) == 2 and words[0] == "#include" and words[1].startswith('"'):
-            found.append(source.parent / words[1].strip('"'))
-    return found
+    return [source.parent / name for name in re.findall(r'^\s*#\s*include\s*"([^"]+)"', source.read_text(), re.M)]
 
 
 def library_path(source: Path, cc: Sequence[str], cflags: Sequence[str]) -> Path:

@@ -66,13 +66,23 @@ def linear_desc(packed: PackedWeight) -> LinearDesc:
                       packed.out_features)
 
 
-_KEPT_WORK_BYTES = 64 << 20
+#: The largest work buffer kept between steps, and the largest a step may ask for
+#: (:func:`fits`): a decode step needs little; a long prefill keeps the per-op path,
+#: whose intermediates live one at a time.
+KEPT_WORK_BYTES = 64 << 20
 _WORK = threading.local()
+
+
+def work_bytes(t: int, dtype_code: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+               widest_padded_input: int) -> int:
+    """Bytes of a step's intermediates in the stack call (``tpguide_stack_work_bytes``)."""
+    return library().tpguide_stack_work_bytes(t, dtype_code, hidden, heads, kv_heads, head_dim, intermediate,
+                                              widest_padded_input)
 
 
 def _work_buffer(nbytes: int) -> torch.Tensor:
     """uint8 scratch of at least ``nbytes``, kept per calling thread up to 64 MiB (every byte is written before read)."""
-    if nbytes > _KEPT_WORK_BYTES:
+    if nbytes > KEPT_WORK_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8)
     buf = getattr(_WORK, "buf", None)
     if buf is None or buf.numel() < nbytes:
@@ -80,29 +90,54 @@ def _work_buffer(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def run_decoder_layers(layers: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor | None,
-                       shape: tuple[int, int, int, int, int], slots: torch.Tensor, block_tables: torch.Tensor,
-                       block_size: int, token_seq: torch.Tensor, token_pos: torch.Tensor,
-                       max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Run ``layers`` over ``hidden``; ``(mlp_out, residual)`` of the last layer, or None if a kernel refused.
+class StepArgs:
+    """A step's :class:`StackStep` and the tensors it points into (kept alive while it is used).
 
     Parameters
     ----------
-    layers : ctypes array of LayerDesc
-        ``(LayerDesc * num_layers)``: every layer's description with this step's cos/sin (each ``[T, R]``
-        contiguous, the model dtype) and its KV cache.
     hidden : torch.Tensor
         ``[T, hidden]`` contiguous, fp32 or bf16 (the model dtype): the first layer's input.
-    residual : torch.Tensor or None
-        ``hidden``'s shape and dtype; None: the first layer's input is the residual.
     shape : tuple of int
         ``(heads, kv_heads, head_dim, intermediate, widest_padded_input)``: this
-        rank's head counts, the MLP width and the widest ``units * K_pad`` of a linear.
+        rank's head counts, its MLP width and the widest ``units * K_pad`` of a linear.
     slots, token_seq, token_pos : torch.Tensor
         int64 ``[T]`` contiguous: cache rows, each token's sequence and position.
     block_tables : torch.Tensor
         int64 ``[num_seqs, max_blocks]`` contiguous.
     block_size, max_seq_len : int
+    """
+
+    def __init__(self, hidden: torch.Tensor, shape: tuple[int, int, int, int, int], slots: torch.Tensor,
+                 block_tables: torch.Tensor, block_size: int, token_seq: torch.Tensor, token_pos: torch.Tensor,
+                 max_seq_len: int) -> None:
+        lib = library()
+        t, width = hidden.shape
+        heads, kv_heads, head_dim, intermediate, widest = shape
+        threads = torch.get_num_threads()
+        code = DTYPE_CODES[hidden.dtype]
+        self.keep = (slots, block_tables, token_seq, token_pos,
+                     _attention_scratch(threads * lib.tpguide_attention_scratch_floats(max_seq_len, head_dim)),
+                     _work_buffer(work_bytes(t, code, width, heads, kv_heads, head_dim, intermediate, widest)))
+        self.step = StackStep(t, code, width, heads, kv_heads, head_dim, intermediate,
+                              slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[0], block_tables.shape[1],
+                              block_size, token_seq.data_ptr(), token_pos.data_ptr(), max_seq_len,
+                              self.keep[4].data_ptr(), self.keep[5].data_ptr(), threads, ELEMENTS_PER_THREAD)
+
+
+def run_decoder_layers(layers: ctypes.Array, args: StepArgs, hidden: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Run ``layers`` over ``hidden`` at tp 1; ``(mlp_out, residual)`` of the last layer, or None if a kernel refused.
+
+    Parameters
+    ----------
+    layers : ctypes array of LayerDesc
+        ``(LayerDesc * num_layers)``: every layer's description with this step's cos/sin (each ``[T, R]``
+        contiguous, the model dtype) and its KV cache; every row-parallel unit on this rank.
+    args : StepArgs
+    hidden : torch.Tensor
+        ``[T, hidden]`` contiguous, the model dtype: the first layer's input.
+    residual : torch.Tensor or None
+        ``hidden``'s shape and dtype; None: the first layer's input is the residual.
 
     Returns
     -------
@@ -112,18 +147,32 @@ def run_decoder_layers(layers: ctypes.Array, hidden: torch.Tensor, residual: tor
         the caller runs the per-op path, which raises naming the bad value;
         cache rows written before the refusal are written again with the same bits).
     """
-    lib = library()
-    t, width = hidden.shape
-    heads, kv_heads, head_dim, intermediate, widest = shape
-    threads = torch.get_num_threads()
     out = hidden.clone()
     res = torch.empty_like(hidden) if residual is None else residual.clone()
-    scratch = _attention_scratch(threads * lib.tpguide_attention_scratch_floats(max_seq_len, head_dim))
-    work = _work_buffer(lib.tpguide_stack_work_bytes(t, width, heads, kv_heads, head_dim, intermediate, widest))
-    step = StackStep(t, DTYPE_CODES[hidden.dtype], width, heads, kv_heads, head_dim, intermediate, slots.data_ptr(),
-                     block_tables.data_ptr(), block_tables.shape[0], block_tables.shape[1], block_size,
-                     token_seq.data_ptr(), token_pos.data_ptr(), max_seq_len, scratch.data_ptr(), work.data_ptr(),
-                     threads, ELEMENTS_PER_THREAD)
-    status = lib.tpguide_decoder_layers(layers, len(layers), ctypes.byref(step), out.data_ptr(), res.data_ptr(),
-                                        int(residual is not None))
+    status = library().tpguide_decoder_layers(layers, len(layers), ctypes.byref(args.step), out.data_ptr(),
+                                              res.data_ptr(), int(residual is not None))
     return None if status else (out, res)
+
+
+def run_decoder_half(layer: LayerDesc, args: StepArgs, half: int, x: torch.Tensor, residual: torch.Tensor,
+                     first: bool, partials: torch.Tensor) -> bool:
+    """One half of one layer at tp > 1 into fp32 unit ``partials``; False if a kernel refused.
+
+    Parameters
+    ----------
+    layer : LayerDesc
+    args : StepArgs
+    half : int
+        0: the attention half (``x`` the layer's input), 1: the MLP half (``x`` the
+        gathered ``o_proj`` sum); both ``[T, hidden]`` contiguous, the model dtype.
+    residual : torch.Tensor
+        ``[T, hidden]``, updated in place (written from ``x`` when ``first``).
+    first : bool
+        The attention half of the first layer, whose input is also its residual.
+    partials : torch.Tensor
+        fp32 ``[U_local, T, N]`` contiguous: this rank's unit partials of ``o_proj``
+        (half 0) or ``down_proj`` (half 1), for the all-gather and the ordered sum.
+    """
+    status = library().tpguide_decoder_half(ctypes.byref(layer), ctypes.byref(args.step), half, x.data_ptr(),
+                                            residual.data_ptr(), int(first), partials.data_ptr())
+    return status == 0

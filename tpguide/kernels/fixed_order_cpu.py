@@ -171,7 +171,9 @@ def _load() -> ctypes.CDLL:
                 lib.tpguide_rotary.restype = ctypes.c_int
                 lib.tpguide_decoder_layers.argtypes = (_ptr, _i64, _ptr, _ptr, _ptr, _i64)
                 lib.tpguide_decoder_layers.restype = ctypes.c_int
-                lib.tpguide_stack_work_bytes.argtypes = (_i64,) * 7
+                lib.tpguide_decoder_half.argtypes = (_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr)
+                lib.tpguide_decoder_half.restype = ctypes.c_int
+                lib.tpguide_stack_work_bytes.argtypes = (_i64,) * 8
                 lib.tpguide_stack_work_bytes.restype = _i64
                 _HAS_DPBF16 = bool(lib.tpguide_has_dpbf16())
                 _ISA, _LIB = isa, lib

@@ -53,20 +53,23 @@ static int64_t elem_threads(const struct tpguide_stack_step *s, int64_t elements
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-/* Bytes of the step's intermediates: qkv, rotated q, attention out, o, gate_up, act, the layer's
- * output and the widened / padded input of a linear (the widest of the four). */
-int64_t tpguide_stack_work_bytes(int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                 int64_t intermediate, int64_t widest_padded_input) {
+/* Bytes of the step's intermediates: qkv, rotated q, attention out, normed, o, gate_up, act (dtype 0:
+ * fp32, 2: bf16), and the widened (fp32) or padded input of a linear (the widest of the four). */
+int64_t tpguide_stack_work_bytes(int64_t T, int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t intermediate, int64_t widest_padded_input) {
+    const int64_t esize = dtype == 0 ? 4 : 2;
     const int64_t qkv = (heads + 2 * kv_heads) * head_dim, hd = heads * head_dim;
     const int64_t widest_in = max3(hidden, hd, intermediate);
     const int64_t x_floats = max3(widest_in, widest_padded_input, 1);
-    return 4 * T * (qkv + 2 * hd + 2 * hidden + 3 * intermediate) + 4 * T * x_floats + 64 * 8;
+    return esize * T * (qkv + 2 * hd + 2 * hidden + 3 * intermediate) + 4 * T * x_floats + 64 * 8;
 }
 
-/* out (model dtype, [T, N]) = linear(x [T, U * unit_size] of the model dtype); xbuf: scratch. */
+/* out = linear(x [T, U * unit_size] of the model dtype): sum_units != 0: [T, N] of the model dtype, the
+ * units added in order; 0: fp32 [U, T, N], one partial per unit (the row-parallel all-gather's input).
+ * xbuf: scratch for a widened or padded x. */
 static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int64_t T, int64_t dtype, void *xbuf,
-                        void *out, int64_t threads) {
-    const int64_t K = w->unit_size * w->units;
+                        void *out, int64_t sum_units, int64_t threads) {
+    const int64_t K = w->unit_size * w->units, out_dtype = sum_units ? dtype : 0;
     if (w->kind == 0) {
         const float *xf = (const float *)x;
         if (dtype == 2) { /* x.float(): exact */
@@ -76,7 +79,7 @@ static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int6
             xf = dst;
         }
         return tpguide_linear_units(xf, T, K, w->panels, w->w_dtype, w->unit_size, w->units, w->out_features, out,
-                                    dtype, 1, threads);
+                                    out_dtype, sum_units, threads);
     }
     if (dtype != 2) return -1; /* pairs take bf16 x */
     const uint16_t *xb = (const uint16_t *)x;
@@ -91,66 +94,104 @@ static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int6
         xb = dst;
     }
     return tpguide_linear_units_pairs(xb, T, w->units * w->k_pad, (const uint16_t *)w->panels, w->k_pad, w->units,
-                                      w->out_features, out, dtype, 1, PAIR_VDPBF16PS, 0, threads);
+                                      w->out_features, out, out_dtype, sum_units, PAIR_VDPBF16PS, 0, threads);
 }
 
-/* Runs n_layers layers.  hidden: [T, hidden] the first layer's input, overwritten with the last
- * layer's MLP output; residual: [T, hidden], read if has_residual (else the first layer's input
- * becomes it), overwritten with the residual beside the output (their sum is the stack's output,
- * as LlamaModel.forward carries it).  Returns 0, or the 1-based index of the kernel call that
- * refused its arguments (layer * 16 + step + 1, step 0..8); the caller then runs the per-op path, which names
- * the bad value. */
-int tpguide_decoder_layers(const struct tpguide_layer_desc *layers, int64_t n_layers,
-                           const struct tpguide_stack_step *s, void *hidden, void *residual, int64_t has_residual) {
+/* The step's intermediates, carved out of s->work (tpguide_stack_work_bytes). */
+struct stack_buffers {
+    void *qkv, *q_rot, *attn, *normed, *o, *gate_up, *act, *xbuf;
+};
+
+static struct stack_buffers carve(const struct tpguide_stack_step *s) {
+    const int64_t T = s->T, esize = s->dtype == 0 ? 4 : 2;
+    const int64_t hd = s->heads * s->head_dim, qkv_w = hd + 2 * s->kv_heads * s->head_dim;
+    struct stack_buffers b;
+    char *w = (char *)(((uintptr_t)s->work + 63) & ~(uintptr_t)63);
+    b.qkv = w;
+    w += T * qkv_w * esize;
+    b.q_rot = w;
+    w += T * hd * esize;
+    b.attn = w;
+    w += T * hd * esize;
+    b.normed = w;
+    w += T * s->hidden * esize;
+    b.o = w;
+    w += T * s->hidden * esize;
+    b.gate_up = w;
+    w += 2 * T * s->intermediate * esize;
+    b.act = w;
+    w += T * s->intermediate * esize;
+    b.xbuf = (void *)(((uintptr_t)w + 63) & ~(uintptr_t)63);
+    return b;
+}
+
+/* The attention half of a layer: residual add + norm, qkv, RoPE with the cache write, attention, o_proj
+ * into out (partials != 0: fp32 unit partials, else the model dtype, units added).  first: x is the
+ * first layer's input without a residual (h = norm(x), then residual = x).  Returns 0 or the failing
+ * step (1..5). */
+static int attention_half(const struct tpguide_layer_desc *L, const struct tpguide_stack_step *s,
+                          const struct stack_buffers *b, const void *x, void *residual, int first, void *out,
+                          int64_t partials) {
     const int64_t T = s->T, dt = s->dtype, esize = dt == 0 ? 4 : 2;
     const int64_t hd = s->heads * s->head_dim, kvd = s->kv_heads * s->head_dim, qkv_w = hd + 2 * kvd;
-    char *w = (char *)(((uintptr_t)s->work + 63) & ~(uintptr_t)63);
-    void *qkv = w;
-    w += T * qkv_w * esize;
-    void *q_rot = w;
-    w += T * hd * esize;
-    void *attn = w;
-    w += T * hd * esize;
-    void *normed = w;
-    w += T * s->hidden * esize;
-    void *o = w;
-    w += T * s->hidden * esize;
-    void *gate_up = w;
-    w += 2 * T * s->intermediate * esize;
-    void *act = w;
-    w += T * s->intermediate * esize;
-    void *xbuf = (void *)(((uintptr_t)w + 63) & ~(uintptr_t)63);
-    const int64_t norm_threads = elem_threads(s, T * s->hidden);
+    if (tpguide_add_rms_norm(x, first ? NULL : residual, L->input_norm, dt, T, s->hidden, L->input_eps, b->normed,
+                             first ? NULL : residual, elem_threads(s, T * s->hidden)))
+        return 1;
+    if (first) memcpy(residual, x, (size_t)(T * s->hidden * esize)); /* a bit copy: residual = x */
+    if (stack_linear(&L->qkv, b->normed, T, dt, b->xbuf, b->qkv, 1, s->threads)) return 2;
+    const char *qp = (const char *)b->qkv;
+    if (tpguide_rotary(qp, qkv_w, s->head_dim, qp + hd * esize, qkv_w, s->head_dim, qp + (hd + kvd) * esize, qkv_w,
+                       s->head_dim, dt, T, s->heads, s->kv_heads, s->head_dim, L->rotary_dim, L->cos, L->sin,
+                       b->q_rot, L->k_cache, L->v_cache, s->slots, L->num_blocks * s->block_size,
+                       elem_threads(s, T * (s->heads + 2 * s->kv_heads) * s->head_dim)))
+        return 3;
+    if (tpguide_attention(b->q_rot, L->k_cache, L->v_cache, dt, s->block_tables, s->num_seqs, s->max_blocks,
+                          s->block_size, L->num_blocks, s->token_seq, s->token_pos, T, s->heads, s->kv_heads,
+                          s->head_dim, s->max_seq_len, L->scale, L->window, L->softcap, s->attention_scratch, b->attn,
+                          dt, s->threads))
+        return 4;
+    return stack_linear(&L->o, b->attn, T, dt, b->xbuf, out, !partials, s->threads) ? 5 : 0;
+}
+
+/* The MLP half: residual add + norm of o (the attention half's output, the model dtype), gate_up,
+ * act_and_mul, down_proj into out (as attention_half's).  Returns 0 or the failing step (6..9). */
+static int mlp_half(const struct tpguide_layer_desc *L, const struct tpguide_stack_step *s,
+                    const struct stack_buffers *b, const void *o, void *residual, void *out, int64_t partials) {
+    const int64_t T = s->T, dt = s->dtype;
+    if (tpguide_add_rms_norm(o, residual, L->post_norm, dt, T, s->hidden, L->post_eps, b->normed, residual,
+                             elem_threads(s, T * s->hidden)))
+        return 6;
+    if (stack_linear(&L->gate_up, b->normed, T, dt, b->xbuf, b->gate_up, 1, s->threads)) return 7;
+    if (tpguide_act_and_mul(b->gate_up, 2 * s->intermediate, dt, T, s->intermediate, L->act_op, b->act,
+                            elem_threads(s, T * s->intermediate)))
+        return 8;
+    return stack_linear(&L->down, b->act, T, dt, b->xbuf, out, !partials, s->threads) ? 9 : 0;
+}
+
+/* Runs n_layers layers (tp 1: every unit on this rank, added in order).  hidden: [T, hidden] the first
+ * layer's input, overwritten with the last layer's MLP output; residual: [T, hidden], read if
+ * has_residual (else the first layer's input becomes it), overwritten with the residual beside the
+ * output (their sum is the stack's output, as LlamaModel.forward carries it).  Returns 0, or
+ * layer * 16 + step (1..9) of the kernel call that refused its arguments; the caller then runs the
+ * per-op path, which names the bad value. */
+int tpguide_decoder_layers(const struct tpguide_layer_desc *layers, int64_t n_layers,
+                           const struct tpguide_stack_step *s, void *hidden, void *residual, int64_t has_residual) {
+    const struct stack_buffers b = carve(s);
     for (int64_t i = 0; i < n_layers; i++) {
-        const struct tpguide_layer_desc *L = layers + i;
-        const int64_t code = i * 16 + 1;
-        const int first = i == 0 && !has_residual;
-        /* the first layer without a residual: h = norm(hidden), then residual = hidden (a bit copy) */
-        if (tpguide_add_rms_norm(hidden, first ? NULL : residual, L->input_norm, dt, T, s->hidden, L->input_eps,
-                                 normed, first ? NULL : residual, norm_threads))
-            return (int)code;
-        if (first) memcpy(residual, hidden, (size_t)(T * s->hidden * esize));
-        if (stack_linear(&L->qkv, normed, T, dt, xbuf, qkv, s->threads)) return (int)code + 1;
-        const char *qp = (const char *)qkv;
-        if (tpguide_rotary(qp, qkv_w, s->head_dim, qp + hd * esize, qkv_w, s->head_dim, qp + (hd + kvd) * esize,
-                           qkv_w, s->head_dim, dt, T, s->heads, s->kv_heads, s->head_dim, L->rotary_dim, L->cos,
-                           L->sin, q_rot, L->k_cache, L->v_cache, s->slots, L->num_blocks * s->block_size,
-                           elem_threads(s, T * (s->heads + 2 * s->kv_heads) * s->head_dim)))
-            return (int)code + 2;
-        if (tpguide_attention(q_rot, L->k_cache, L->v_cache, dt, s->block_tables, s->num_seqs, s->max_blocks,
-                              s->block_size, L->num_blocks, s->token_seq, s->token_pos, T, s->heads, s->kv_heads,
-                              s->head_dim, s->max_seq_len, L->scale, L->window, L->softcap, s->attention_scratch,
-                              attn, dt, s->threads))
-            return (int)code + 3;
-        if (stack_linear(&L->o, attn, T, dt, xbuf, o, s->threads)) return (int)code + 4;
-        if (tpguide_add_rms_norm(o, residual, L->post_norm, dt, T, s->hidden, L->post_eps, normed, residual,
-                                 norm_threads))
-            return (int)code + 5;
-        if (stack_linear(&L->gate_up, normed, T, dt, xbuf, gate_up, s->threads)) return (int)code + 6;
-        if (tpguide_act_and_mul(gate_up, 2 * s->intermediate, dt, T, s->intermediate, L->act_op, act,
-                                elem_threads(s, T * s->intermediate)))
-            return (int)code + 7;
-        if (stack_linear(&L->down, act, T, dt, xbuf, hidden, s->threads)) return (int)code + 8;
+        int step = attention_half(layers + i, s, &b, hidden, residual, i == 0 && !has_residual, b.o, 0);
+        if (!step) step = mlp_half(layers + i, s, &b, b.o, residual, hidden, 0);
+        if (step) return (int)(i * 16 + step);
     }
     return 0;
+}
+
+/* One half of one layer at tp > 1, its row-parallel output as fp32 unit partials [U_local, T, N] in
+ * partials (the caller all-gathers them and adds the units in order between the halves).
+ * half 0: attention (x = the layer's input; first as attention_half); half 1: MLP (x = the gathered
+ * o_proj sum, the model dtype).  residual as tpguide_decoder_layers.  Returns 0 or the failing step. */
+int tpguide_decoder_half(const struct tpguide_layer_desc *layer, const struct tpguide_stack_step *s, int64_t half,
+                         const void *x, void *residual, int64_t first, float *partials) {
+    const struct stack_buffers b = carve(s);
+    return half == 0 ? attention_half(layer, s, &b, x, residual, (int)first, partials, 1)
+                     : mlp_half(layer, s, &b, x, residual, partials, 1);
 }

@@ -862,7 +862,8 @@ void tpguide_unary(const float *x, int64_t n, int64_t op, float param, float *ou
  * tensor.  Rows are independent, one row per thread. ---- */
 
 /* Residual add + RMS norm (vLLM's fused_add_rms_norm).  x, residual (may be NULL), out,
- * residual_out: [T, D] of dtype; weight [D] of dtype.  Per row:
+ * residual_out: [T, D] of dtype; weight [D] of dtype; residual_out may be residual itself (a row is
+ * read whole into h before its residual_out row is written).  Per row:
  *   h = x + residual (bf16: rounded; without residual h = x), residual_out = h (if not NULL),
  *   ms = dot_fixed(h, h) / D (tpguide_mean_square), r = 1 / sqrtf(ms + eps) (torch.rsqrt),
  *   out = w * (h * r), the product h * r rounded to bf16 first in bf16 mode (RMSNorm's .to(dtype)).
@@ -881,7 +882,7 @@ int tpguide_add_rms_norm(const void *x, const void *residual, const void *weight
             const int64_t base = t * D;
             /* dtype-specialised loops (no per-element dtype test), so the compiler vectorises them */
             if (dtype == 0) {
-                const float *restrict res = residual ? (const float *)residual + base : NULL;
+                const float *res = residual ? (const float *)residual + base : NULL; /* may be residual_out */
                 float *restrict o = (float *)out + base;
                 const float *restrict w = (const float *)weight;
                 load_row((const float *)x + base, 0, D, h);
@@ -891,14 +892,14 @@ int tpguide_add_rms_norm(const void *x, const void *residual, const void *weight
                 const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
                 for (int64_t d = 0; d < D; d++) o[d] = w[d] * (h[d] * r);
             } else {
-                const uint16_t *restrict res = residual ? (const uint16_t *)residual + base : NULL;
+                const uint16_t *res = residual ? (const uint16_t *)residual + base : NULL; /* may be residual_out */
                 uint16_t *restrict o = (uint16_t *)out + base;
                 const uint16_t *restrict w = (const uint16_t *)weight;
                 load_row((const uint16_t *)x + base, 2, D, h);
                 if (residual)
                     for (int64_t d = 0; d < D; d++) h[d] = round_bf16(h[d] + bf16_to_f32(res[d]));
                 if (residual_out) {
-                    uint16_t *restrict ro = (uint16_t *)residual_out + base;
+                    uint16_t *ro = (uint16_t *)residual_out + base;
                     for (int64_t d = 0; d < D; d++) ro[d] = f32_to_bf16(h[d]);
                 }
                 const float r = 1.0f / sqrtf(dot_fixed(h, h, D) / (float)D + eps);
