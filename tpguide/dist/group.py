@@ -269,10 +269,21 @@ def broadcast_object(obj: Any, group: TPGroup) -> Any:
     return box[0]
 
 
-def broadcast_tensor(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """Overwrite ``tensor`` on every rank with the driver's (same shape/dtype)."""
+def broadcast_tensor(tensor: torch.Tensor, group: TPGroup, src: int = 0) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s (the driver's by default; same shape/dtype)."""
     if group.tp_size > 1:
-        dist.broadcast(tensor, group_src=0, group=group.process_group)
+        dist.broadcast(tensor, group_src=src, group=group.process_group)
+    return tensor
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, group: TPGroup) -> None:
+    """Send ``tensor`` to group rank ``dst`` (which calls :func:`recv_tensor`); blocks until it is sent."""
+    dist.send(tensor.contiguous(), group_dst=dst, group=group.process_group)
+
+
+def recv_tensor(tensor: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
+    """Receive group rank ``src``'s :func:`send_tensor` into ``tensor`` (its shape and dtype) and return it."""
+    dist.recv(tensor, group_src=src, group=group.process_group)
     return tensor
 
 

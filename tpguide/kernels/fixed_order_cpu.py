@@ -151,7 +151,7 @@ def _load() -> ctypes.CDLL:
                                                            _i64, _i64, _i64)
                 lib.tpguide_linear_units_pairs.restype = ctypes.c_int
                 lib.tpguide_has_dpbf16.restype = ctypes.c_int
-                lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64)
+                lib.tpguide_sum_units.argtypes = (_ptr, _i64, _i64, _ptr, _i64, _ptr)
                 lib.tpguide_sum_units.restype = None
                 lib.tpguide_attention.argtypes = (_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr,
                                                   _i64, _i64, _i64, _i64, _i64, _f32, _i64, _f32, _ptr, _ptr, _i64, _i64)
@@ -459,11 +459,19 @@ def linear_pairs_emulated(x: torch.Tensor, packed: PackedWeight, instruction: st
     return out
 
 
-def sum_units_fixed_order(partials: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[U, ...] -> [...]``: ``((p[0] + p[1]) + p[2]) + ...``, the unit order, element by element."""
+def sum_units_fixed_order(partials: torch.Tensor, init: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 ``[U, ...] -> [...]``: ``((p[0] + p[1]) + p[2]) + ...``, the unit order, element by element.
+
+    ``init`` (fp32, ``partials[0]``'s shape): the running sum of earlier units,
+    ``((init + p[0]) + p[1]) + ...``; with ``U == 0`` the result is ``init``.
+    """
     p = partials.float().contiguous()
+    if init is not None and not p.shape[0]:
+        return init.clone()
     out = torch.empty(p.shape[1:], dtype=torch.float32)
-    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), threads_for(p.numel()))
+    start = None if init is None else init.float().contiguous()
+    (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), threads_for(p.numel()),
+                                        None if start is None else start.data_ptr())
     return out
 
 

@@ -257,8 +257,43 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
     torch.Tensor
         ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size.
     """
+    if group.tp_size > 1 and not partials.is_cuda and partials.numel() * 4 * group.tp_size > CHAIN_MIN_BYTES:
+        return chained_units_sum(partials, num_real_units, group, out_dtype)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
     if use_triton(real):
         return sum_units_fixed_order_cuda(real, out_dtype)
     return sum_units_fixed_order(real).to(out_dtype)  # [T, O], unit order
+
+
+#: Gathered bytes above which a CPU rank chains the running sum instead (:func:`chained_units_sum`):
+#: below it one all-gather costs less than a chain of ``tp`` messages.
+CHAIN_MIN_BYTES = 1 << 20
+
+
+def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGroup,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`sum_units`'s result with the running sum passed from rank to rank instead of every unit gathered.
+
+    Rank ``r`` holds units ``r * U_local ..``: it receives the fp32 sum of the
+    units before its own from rank ``r - 1`` (rank 0 starts from its first
+    unit), adds its real units in order (:func:`sum_units_fixed_order` with
+    ``init``: the same fp32 additions in the same order as the gathered sum,
+    so the same bits), and sends the sum on; the last rank rounds it to
+    ``out_dtype`` once and broadcasts it.  Bytes moved: ``[T, O]`` per rank
+    instead of ``[tp, U_local, T, O]`` to every rank, and no rank holds the
+    other ranks' partials.  ``partials`` fp32 ``[U_local, T, O]`` on CPU;
+    returns ``[T, O]`` of ``out_dtype`` on every rank.
+    """
+    rank, tp, local = group.tp_rank, group.tp_size, partials.shape[0]
+    real = partials[:max(0, min(local, num_real_units - rank * local))]  # [U_real_here, T, O]
+    running = None
+    if rank > 0:
+        running = collectives.recv_tensor(torch.empty(partials.shape[1:], dtype=torch.float32), rank - 1, group)
+    running = sum_units_fixed_order(real, running)  # fp32 [T, O]: every unit so far, in unit order
+    if rank < tp - 1:
+        collectives.send_tensor(running, rank + 1, group)
+        out = torch.empty(partials.shape[1:], dtype=out_dtype)
+    else:
+        out = running.to(out_dtype).contiguous()
+    return collectives.broadcast_tensor(out, group, src=tp - 1)

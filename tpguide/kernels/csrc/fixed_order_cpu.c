@@ -279,14 +279,19 @@ int tpguide_linear_units(const float *x, int64_t M, int64_t ldx, const void *w, 
     return 0;
 }
 
-/* out[i] = ((p[0][i] + p[1][i]) + p[2][i]) + ... over U rows of numel elements: the units' order. */
-void tpguide_sum_units(const float *partials, int64_t U, int64_t numel, float *out, int64_t num_threads) {
+/* out[i] = ((p[0][i] + p[1][i]) + p[2][i]) + ... over U rows of numel elements: the units' order.
+ * init != NULL: ((init[i] + p[0][i]) + p[1][i]) + ..., a running sum carried on from earlier units. */
+void tpguide_sum_units(const float *partials, int64_t U, int64_t numel, float *out, int64_t num_threads,
+                       const float *init) {
     const int64_t chunk = 4096;
     const int64_t C = (numel + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t c = 0; c < C; c++) {
         const int64_t lo = c * chunk, hi = lo + chunk < numel ? lo + chunk : numel;
-        for (int64_t i = lo; i < hi; i++) out[i] = partials[i];
+        if (init)
+            for (int64_t i = lo; i < hi; i++) out[i] = init[i] + partials[i];
+        else
+            for (int64_t i = lo; i < hi; i++) out[i] = partials[i];
         for (int64_t u = 1; u < U; u++) {
             const float *pu = partials + u * numel;
             for (int64_t i = lo; i < hi; i++) out[i] += pu[i];
