@@ -257,7 +257,7 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
     torch.Tensor
         ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size.
     """
-    if group.tp_size > 1 and not partials.is_cuda and partials.numel() * 4 * group.tp_size > CHAIN_MIN_BYTES:
+    if group.tp_size > 1 and not use_triton(partials) and partials.numel() * 4 * group.tp_size > CHAIN_MIN_BYTES:
         return chained_units_sum(partials, num_real_units, group, out_dtype)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
