@@ -1,7 +1,7 @@
 """The row-parallel sums passed rank to rank (``chained_units_sum``) give tp 1's logits bit for bit at tp 2, 3, 4.
 
-The chain is forced for every step (``CHAIN_MIN_BYTES = 0``); at tp 4 the
-9-head model has zero-padded heads, whose units the chain skips.  The per-op
+Every CPU step at tp > 1 chains; at tp 4 the 9-head model has zero-padded
+heads, whose units the chain skips.  The per-op
 path and the decoder stack's half-layer calls both go through it.
 """
 
@@ -21,9 +21,6 @@ TABLES = {0: [7, 2, 5], 1: [0, 8]}
 
 
 def _logits(group: TPGroup, model_dir: str, stacked: bool):
-    from tpguide.model import invariant_reduce
-
-    invariant_reduce.CHAIN_MIN_BYTES = 0
     model = load_model(model_dir, group, torch.float32)  # fp32: a changed order of additions shows
     model.model.use_decoder_stack = stacked
     model.allocate_kv_cache(9, BLOCK, 32)

@@ -257,18 +257,13 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
     torch.Tensor
         ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size.
     """
-    if group.tp_size > 1 and not use_triton(partials) and partials.numel() * 4 * group.tp_size > CHAIN_MIN_BYTES:
+    if group.tp_size > 1 and not use_triton(partials):  # CPU: a running sum, not every unit to every rank
         return chained_units_sum(partials, num_real_units, group, out_dtype)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
     if use_triton(real):
         return sum_units_fixed_order_cuda(real, out_dtype)
     return sum_units_fixed_order(real).to(out_dtype)  # [T, O], unit order
-
-
-#: Gathered bytes above which a CPU rank chains the running sum instead (:func:`chained_units_sum`):
-#: below it one all-gather costs less than a chain of ``tp`` messages.
-CHAIN_MIN_BYTES = 1 << 20
 
 
 def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGroup,
@@ -283,7 +278,9 @@ def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGrou
     ``out_dtype`` once and broadcasts it.  Bytes moved: ``[T, O]`` per rank
     instead of ``[tp, U_local, T, O]`` to every rank, and no rank holds the
     other ranks' partials.  ``partials`` fp32 ``[U_local, T, O]`` on CPU;
-    returns ``[T, O]`` of ``out_dtype`` on every rank.
+    returns ``[T, O]`` of ``out_dtype`` on every rank.  Faster than the
+    all-gather on gloo at every size measured, decode steps of the embedded
+    model included (docs/benchmarks.md, "The decoder stack in one call").
     """
     rank, tp, local = group.tp_rank, group.tp_size, partials.shape[0]
     real = partials[:max(0, min(local, num_real_units - rank * local))]  # [U_real_here, T, O]
