@@ -74,6 +74,11 @@ def test_units_fused_equal_partials_summed_in_unit_order(dtype):
         total += partials[u]  # the unit order, one addition at a time
     assert torch.equal(sum_units_fixed_order(partials), total)
     assert torch.equal(linear_fixed_order(x, packed), total)  # tp 1 adds the units as it goes
+    # a running sum carried on (the tp > 1 chain): units 0-2 here, 3-5 on the next rank
+    assert torch.equal(sum_units_fixed_order(partials[3:], sum_units_fixed_order(partials[:3])), total)
+    assert torch.equal(sum_units_fixed_order(partials[:0], total), total)  # a rank of padded units only
+    with pytest.raises(ValueError, match="a unit's shape"):
+        sum_units_fixed_order(partials, total[:1])
 
 
 def test_linear_rejects_bad_inputs():

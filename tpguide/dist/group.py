@@ -11,7 +11,9 @@ The collectives (:func:`all_reduce`, :func:`all_gather_stacked`,
 explicitly, the identity at ``tp_size == 1`` (so the single-process path
 never touches ``torch.distributed``).  Every collective is called by *every*
 rank of the group in the same order (SPMD); the ``src`` of broadcasts and
-scatters is the driver, ``tp_rank`` 0.  Callers reach them through this
+scatters is the driver, ``tp_rank`` 0, except where a caller names another
+(:func:`broadcast_tensor`'s ``src``).  :func:`send_tensor` / :func:`recv_tensor`
+are point to point, between two ranks, and refuse a group of one.  Callers reach them through this
 module (``from tpguide.dist import group as C``; ``tpguide/dist/__init__.py``),
 so a test can wrap them.
 """
@@ -277,12 +279,22 @@ def broadcast_tensor(tensor: torch.Tensor, group: TPGroup, src: int = 0) -> torc
 
 
 def send_tensor(tensor: torch.Tensor, dst: int, group: TPGroup) -> None:
-    """Send ``tensor`` to group rank ``dst`` (which calls :func:`recv_tensor`); blocks until it is sent."""
+    """Send ``tensor`` to group rank ``dst`` (which calls :func:`recv_tensor`); blocks until it is sent.
+
+    Raises ``ValueError`` at ``tp_size == 1`` (no other rank).
+    """
+    if group.tp_size == 1:
+        raise ValueError("send_tensor needs a group of more than one rank")
     dist.send(tensor.contiguous(), group_dst=dst, group=group.process_group)
 
 
 def recv_tensor(tensor: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
-    """Receive group rank ``src``'s :func:`send_tensor` into ``tensor`` (its shape and dtype) and return it."""
+    """Receive group rank ``src``'s :func:`send_tensor` into ``tensor`` (its shape and dtype) and return it.
+
+    Raises ``ValueError`` at ``tp_size == 1`` (no other rank).
+    """
+    if group.tp_size == 1:
+        raise ValueError("recv_tensor needs a group of more than one rank")
     dist.recv(tensor, group_src=src, group=group.process_group)
     return tensor
 

@@ -464,10 +464,15 @@ def sum_units_fixed_order(partials: torch.Tensor, init: Optional[torch.Tensor] =
 
     ``init`` (fp32, ``partials[0]``'s shape): the running sum of earlier units,
     ``((init + p[0]) + p[1]) + ...``; with ``U == 0`` the result is ``init``.
+    Raises ``ValueError`` for an ``init`` of another shape, or no units and no ``init``.
     """
     p = partials.float().contiguous()
+    if init is not None and init.shape != p.shape[1:]:
+        raise ValueError(f"init {tuple(init.shape)} must have a unit's shape {tuple(p.shape[1:])}")
     if init is not None and not p.shape[0]:
-        return init.clone()
+        return init.float().clone()
+    if init is None and not p.shape[0]:
+        raise ValueError("no units to add and no init")
     out = torch.empty(p.shape[1:], dtype=torch.float32)
     start = None if init is None else init.float().contiguous()
     (_LIB or _load()).tpguide_sum_units(p.data_ptr(), p.shape[0], out.numel(), out.data_ptr(), threads_for(p.numel()),

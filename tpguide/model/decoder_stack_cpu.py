@@ -10,7 +10,7 @@ row-parallel unit partials gathered and added in order between them, as the
 per-op path gathers them.  Either way the kernels the per-op path calls, with
 the same inputs, in its order.  Anything else (another block, biases, q/k
 norms, AMX tiles, the CUDA path, a prefill whose intermediates pass 64 MiB or,
-at tp > 1, a gather's row chunk) keeps the per-op path; so does a step whose kernels refuse their arguments,
+at tp > 1, a sum's row chunk) keeps the per-op path; so does a step whose kernels refuse their arguments,
 so that the per-op path raises its error naming the value.
 """
 
@@ -219,10 +219,11 @@ class DecoderStackCPU:
         return self._by_halves(args, hidden)
 
     def _by_halves(self, args: StepArgs, hidden: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """tp > 1 (or padded units): each half layer in C, its unit partials gathered and summed in Python.
+        """tp > 1 (or padded units): each half layer in C, its unit partials summed across ranks in Python.
 
-        The collectives are the per-op path's (one all-gather per row-parallel
-        layer), in its order; a step longer than a gather's row chunk
+        The collectives are the per-op path's (one ordered sum across ranks per
+        row-parallel layer, :func:`~tpguide.model.invariant_reduce.sum_units`), in
+        its order; a step longer than a sum's row chunk
         (``RowParallelLinear.partials_chunk_rows``) keeps the per-op path, and so
         does one a kernel refuses (every rank refuses the same step: the checks
         read the plan, which every rank shares, so all ranks leave together).

@@ -16,11 +16,13 @@ fixed **reduction units** instead, independent of ``tp_size``::
   that the shard boundary of every size in :data:`INVARIANT_TP_SIZES` is a
   block boundary.
 
-Each rank computes its units' fp32 partials, all-gathers them
-(``[tp_size, U_local, T, O]``: the same units in the same order on every
-rank) and adds the ``U`` real units in unit order.  At tp 1 the kernel adds
-the units as it goes, with the same additions.  The cost is ``U`` times the
-bytes of a plain all-reduce, still one collective.
+Each rank computes its units' fp32 partials and the ``U`` real units are
+added in unit order: on CPU by passing the running sum from rank to rank
+(:func:`chained_units_sum`: ``[T, O]`` per message, then one broadcast), on
+the CUDA path by all-gathering them (``[tp_size, U_local, T, O]``: the same
+units in the same order on every rank, ``U`` times the bytes of a plain
+all-reduce, one collective).  At tp 1 the kernel adds the units as it goes,
+with the same additions.
 
 Every matmul of the invariant path, the per-unit partials
 (:func:`unit_partials`) and the column-parallel layers and LM head
@@ -248,7 +250,8 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
     num_real_units : int
         Units before the zero padding (``U <= tp_size * U_local``).
     group : TPGroup
-        The one communication point: an all-gather (nothing at tp 1).
+        The communication: on CPU the chain of :func:`chained_units_sum`, on the
+        CUDA path one all-gather (nothing at tp 1).
     out_dtype : torch.dtype
         The result's dtype: the fp32 sum rounded once (``.to(out_dtype)``).
 
@@ -279,8 +282,8 @@ def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGrou
     instead of ``[tp, U_local, T, O]`` to every rank, and no rank holds the
     other ranks' partials.  ``partials`` fp32 ``[U_local, T, O]`` on CPU;
     returns ``[T, O]`` of ``out_dtype`` on every rank.  Faster than the
-    all-gather on gloo at every size measured, decode steps of the embedded
-    model included (docs/benchmarks.md, "The decoder stack in one call").
+    all-gather on gloo in every case measured (tp 2 and 4, decode steps of the
+    embedded model included; docs/benchmarks.md, "The decoder stack in one call").
     """
     rank, tp, local = group.tp_rank, group.tp_size, partials.shape[0]
     real = partials[:max(0, min(local, num_real_units - rank * local))]  # [U_real_here, T, O]

@@ -270,8 +270,9 @@ class RowParallelLinear(nn.Module):
             packed_weight(self, self.weight, self.num_local_units)
 
     def partials_chunk_rows(self, num_rows: int) -> int:
-        """Rows per all-gather of unit partials: the gathered fp32 ``[tp, U_local, rows, O]`` within
-        :data:`PARTIALS_CHUNK_BYTES` (at least one row; all ``num_rows`` when they fit).
+        """Rows per unit-partials sum (:func:`~tpguide.model.invariant_reduce.sum_units`): ``[tp, U_local, rows, O]``
+        fp32 within :data:`PARTIALS_CHUNK_BYTES` (at least one row; all ``num_rows`` when they fit), the
+        gathered size of the CUDA path's all-gather (the CPU chain holds only this rank's ``U_local``).
 
         The same on every rank (it depends on shapes only).  Rows never
         influence each other's sums, so the chunking changes no bit; it bounds a
@@ -289,7 +290,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``).
 
-        TP-invariant at ``tp_size > 1``: one all-gather per :meth:`partials_chunk_rows` rows.
+        TP-invariant at ``tp_size > 1``: one ordered sum across ranks per :meth:`partials_chunk_rows` rows.
         """
         if self.reduction_unit is not None:
             if self.group.tp_size == 1 and self.num_real_units == self.num_local_units:
