@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from decoder_steps import BLOCK, A, run_steps
 
 import tpguide.model.decoder_stack_cpu as stack_module
 from tpguide.dist import TPGroup
@@ -15,13 +16,6 @@ from tpguide.model.loader import load_model
 from tpguide.model.random_checkpoint import write_random_checkpoint
 
 VOCAB = 512
-BLOCK = 4
-# a, b: prompts; steps of (sequence, context length, token ids): a chunked prefill beside b's whole
-# prompt, then b decoding beside a's second chunk (crossing blocks), then both decoding
-A = [11, 40, 7, 300, 2, 9, 81, 5, 64, 3, 200]
-B = [17, 4, 99, 12, 6, 250]
-STEPS = [[(0, 0, A[:7]), (1, 0, B)], [(1, 6, [5]), (0, 7, A[7:])], [(0, 11, [9]), (1, 7, [3])]]
-TABLES = {0: [7, 2, 5], 1: [0, 8]}
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +26,10 @@ def ckpt(tmp_path_factory):
 
 def _logits(model, stacked: bool, calls=None):
     model.model.use_decoder_stack = stacked
-    model.allocate_kv_cache(9, BLOCK, 32)
-    out = []
-    for seqs in STEPS:
-        q, c = [len(t) for _, _, t in seqs], [ctx for _, ctx, _ in seqs]
-        meta = AttentionMetadata.from_block_tables([TABLES[s] for s, _, _ in seqs], q, c, block_size=BLOCK)
-        ids = torch.tensor([t for _, _, toks in seqs for t in toks])
-        before = len(calls or [])
-        out.append(model.compute_logits(model(ids, meta.token_positions, meta)))
-        assert calls is None or len(calls) == before + stacked  # the one call ran exactly when asked for
+    start, out = len(calls or []), []
+    for step, logits in enumerate(run_steps(model), 1):
+        out.append(logits)
+        assert calls is None or len(calls) == start + stacked * step  # the one call ran exactly when asked for
     return out
 
 

@@ -7,17 +7,11 @@ path and the decoder stack's half-layer calls both go through it.
 
 import pytest
 import torch
+from decoder_steps import STEPS, run_steps
 
 from tpguide.dist import TPGroup
 from tpguide.dist.spawn import run_on_ranks
-from tpguide.model.attention import AttentionMetadata
 from tpguide.model.loader import load_model
-
-BLOCK = 4
-A = [11, 40, 7, 300, 2, 9, 81, 5, 64, 3, 200]
-B = [17, 4, 99, 12, 6, 250]
-STEPS = [[(0, 0, A[:7]), (1, 0, B)], [(1, 6, [5]), (0, 7, A[7:])], [(0, 11, [9]), (1, 7, [3])]]
-TABLES = {0: [7, 2, 5], 1: [0, 8]}
 
 
 def _logits(group: TPGroup, model_dir: str, stacked: bool):
@@ -33,13 +27,7 @@ def _logits(group: TPGroup, model_dir: str, stacked: bool):
     invariant_reduce.chained_units_sum = counted
     model = load_model(model_dir, group, torch.float32)  # fp32: a changed order of additions shows
     model.model.use_decoder_stack = stacked
-    model.allocate_kv_cache(9, BLOCK, 32)
-    out = []
-    for seqs in STEPS:
-        q, c = [len(t) for _, _, t in seqs], [ctx for _, ctx, _ in seqs]
-        meta = AttentionMetadata.from_block_tables([TABLES[s] for s, _, _ in seqs], q, c, block_size=BLOCK)
-        ids = torch.tensor([t for _, _, toks in seqs for t in toks])
-        out.append(model.compute_logits(model(ids, meta.token_positions, meta)).numpy())
+    out = [logits.numpy() for logits in run_steps(model)]
     return out, model.vocab_shard.vocab_start_index, len(chained)
 
 

@@ -13,11 +13,17 @@ qualify, and building their descriptions from the model, is
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from tpguide.kernels.fixed_order_cpu import DTYPE_CODES, ELEMENTS_PER_THREAD, PackedWeight, _attention_scratch, library
+from tpguide.kernels.fixed_order_cpu import (
+    DTYPE_CODES,
+    ELEMENTS_PER_THREAD,
+    PackedWeight,
+    _attention_scratch,
+    kept_scratch,
+    library,
+)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -66,11 +72,10 @@ def linear_desc(packed: PackedWeight) -> LinearDesc:
                       packed.out_features)
 
 
-#: The largest work buffer kept between steps, and the largest a step may ask for
-#: (:func:`fits`): a decode step needs little; a long prefill keeps the per-op path,
-#: whose intermediates live one at a time.
+#: The largest work buffer kept between steps, and the largest a step may use
+#: (:meth:`~tpguide.model.decoder_stack_cpu.DecoderStackCPU.run`): a decode step
+#: needs little; a long prefill keeps the per-op path, whose intermediates live one at a time.
 KEPT_WORK_BYTES = 64 << 20
-_WORK = threading.local()
 
 
 def work_bytes(t: int, dtype_code: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
@@ -78,16 +83,6 @@ def work_bytes(t: int, dtype_code: int, hidden: int, heads: int, kv_heads: int, 
     """Bytes of a step's intermediates in the stack call (``tpguide_stack_work_bytes``)."""
     return library().tpguide_stack_work_bytes(t, dtype_code, hidden, heads, kv_heads, head_dim, intermediate,
                                               widest_padded_input)
-
-
-def _work_buffer(nbytes: int) -> torch.Tensor:
-    """uint8 scratch of at least ``nbytes``, kept per calling thread up to 64 MiB (every byte is written before read)."""
-    if nbytes > KEPT_WORK_BYTES:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    buf = getattr(_WORK, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _WORK.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return buf
 
 
 class StepArgs:
@@ -105,20 +100,20 @@ class StepArgs:
     block_tables : torch.Tensor
         int64 ``[num_seqs, max_blocks]`` contiguous.
     block_size, max_seq_len : int
+    nbytes : int
+        The step's :func:`work_bytes` (at most :data:`KEPT_WORK_BYTES`).
     """
 
     def __init__(self, hidden: torch.Tensor, shape: tuple[int, int, int, int, int], slots: torch.Tensor,
                  block_tables: torch.Tensor, block_size: int, token_seq: torch.Tensor, token_pos: torch.Tensor,
-                 max_seq_len: int) -> None:
-        lib = library()
+                 max_seq_len: int, nbytes: int) -> None:
         t, width = hidden.shape
-        heads, kv_heads, head_dim, intermediate, widest = shape
+        heads, kv_heads, head_dim, intermediate, _ = shape
         threads = torch.get_num_threads()
-        code = DTYPE_CODES[hidden.dtype]
         self.keep = (slots, block_tables, token_seq, token_pos,
-                     _attention_scratch(threads * lib.tpguide_attention_scratch_floats(max_seq_len, head_dim)),
-                     _work_buffer(work_bytes(t, code, width, heads, kv_heads, head_dim, intermediate, widest)))
-        self.step = StackStep(t, code, width, heads, kv_heads, head_dim, intermediate,
+                     _attention_scratch(threads * library().tpguide_attention_scratch_floats(max_seq_len, head_dim)),
+                     kept_scratch("stack_work", nbytes, torch.uint8, KEPT_WORK_BYTES))  # every byte written first
+        self.step = StackStep(t, DTYPE_CODES[hidden.dtype], width, heads, kv_heads, head_dim, intermediate,
                               slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[0], block_tables.shape[1],
                               block_size, token_seq.data_ptr(), token_pos.data_ptr(), max_seq_len,
                               self.keep[4].data_ptr(), self.keep[5].data_ptr(), threads, ELEMENTS_PER_THREAD)
@@ -164,14 +159,14 @@ def run_decoder_half(layer: LayerDesc, args: StepArgs, half: int, x: torch.Tenso
     args : StepArgs
     half : int
         0: the attention half (``x`` the layer's input), 1: the MLP half (``x`` the
-        gathered ``o_proj`` sum); both ``[T, hidden]`` contiguous, the model dtype.
+        summed ``o_proj`` output); both ``[T, hidden]`` contiguous, the model dtype.
     residual : torch.Tensor
         ``[T, hidden]``, updated in place (written from ``x`` when ``first``).
     first : bool
         The attention half of the first layer, whose input is also its residual.
     partials : torch.Tensor
         fp32 ``[U_local, T, N]`` contiguous: this rank's unit partials of ``o_proj``
-        (half 0) or ``down_proj`` (half 1), for the all-gather and the ordered sum.
+        (half 0) or ``down_proj`` (half 1), for the ordered sum across ranks.
     """
     status = library().tpguide_decoder_half(ctypes.byref(layer), ctypes.byref(args.step), half, x.data_ptr(),
                                             residual.data_ptr(), int(first), partials.data_ptr())

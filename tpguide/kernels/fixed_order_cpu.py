@@ -88,7 +88,7 @@ _LOCK = threading.Lock()
 _LIB: Optional[ctypes.CDLL] = None
 _ISA: Optional[str] = None
 _HAS_DPBF16 = False  # the loaded library has the VDPBF16PS tile (asked once, not per matmul)
-_SCRATCH = threading.local()  # the attention kernel's per-thread scratch, reused across calls and layers
+_SCRATCH = threading.local()  # per-thread kept scratch buffers (kept_scratch), reused across calls and layers
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -580,20 +580,30 @@ def attention_fixed_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 SCRATCH_KEPT_FLOATS = 1 << 22
 
 
+def kept_scratch(name: str, numel: int, dtype: torch.dtype, kept_numel: int) -> torch.Tensor:
+    """A 1-D scratch of at least ``numel`` values of ``dtype``, kept per calling thread under ``name``.
+
+    For kernels that write every value they read, so what a kept buffer held
+    before changes nothing.  Above ``kept_numel`` the buffer is the call's own,
+    not kept (a long prefill's does not stay resident).
+    """
+    if numel > kept_numel:
+        return torch.empty(numel, dtype=dtype)
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_SCRATCH, name, buf)
+    return buf
+
+
 def _attention_scratch(floats: int) -> torch.Tensor:
     """fp32 scratch of at least ``floats`` values for :func:`attention_fixed_order`, kept per calling thread.
 
     Every layer of a step asks for about the same size (it grows with the longest sequence), so one
-    buffer serves them all instead of a fresh allocation of hundreds of KiB per layer; the kernel
-    writes every value it reads, so what a buffer held before changes nothing.  Above
-    :data:`SCRATCH_KEPT_FLOATS` (long prefills) the buffer is the call's own, not kept.
+    buffer serves them all instead of a fresh allocation of hundreds of KiB per layer
+    (:func:`kept_scratch`, up to :data:`SCRATCH_KEPT_FLOATS`).
     """
-    if floats > SCRATCH_KEPT_FLOATS:
-        return torch.empty(floats, dtype=torch.float32)
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < floats:
-        buf = _SCRATCH.buf = torch.empty(floats, dtype=torch.float32)
-    return buf
+    return kept_scratch("buf", floats, torch.float32, SCRATCH_KEPT_FLOATS)
 
 
 def mean_square_fixed_order(x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ whose every layer is the plain Llama block on the fixed-order CPU path
 all of them in one call (:func:`~tpguide.kernels.decoder_layers_cpu.run_decoder_layers`),
 at tp > 1 one call per half layer
 (:func:`~tpguide.kernels.decoder_layers_cpu.run_decoder_half`) with the
-row-parallel unit partials gathered and added in order between them, as the
-per-op path gathers them.  Either way the kernels the per-op path calls, with
+row-parallel unit partials added in order across ranks between them
+(:func:`~tpguide.model.invariant_reduce.sum_units`), as the per-op path adds them.  Either way the kernels the per-op path calls, with
 the same inputs, in its order.  Anything else (another block, biases, q/k
 norms, AMX tiles, the CUDA path, a prefill whose intermediates pass 64 MiB or,
 at tp > 1, a sum's row chunk) keeps the per-op path; so does a step whose kernels refuse their arguments,
@@ -40,6 +40,11 @@ from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParalle
 from tpguide.model.rotary import RotaryEmbedding
 
 
+def _linears(layer) -> tuple:
+    """The layer's ``(qkv_proj, o_proj, gate_up_proj, down_proj)``, the order of a ``LayerDesc``."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _plain_layer(layer, plain: Tuple[type, type, type]) -> bool:
     """The plain Llama block on the fixed-order path, with nothing the stack call does not run.
 
@@ -48,14 +53,14 @@ def _plain_layer(layer, plain: Tuple[type, type, type]) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
     if (type(layer), type(attn), type(mlp)) != plain:
         return False
-    parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, attn.attn, attn.rotary_emb)
-    if tuple(type(p) for p in parts) != (QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
-                                         RowParallelLinear, Attention, RotaryEmbedding):
+    linears = _linears(layer)
+    if tuple(type(p) for p in (*linears, attn.attn, attn.rotary_emb)) != (
+            QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear, RowParallelLinear, Attention,
+            RotaryEmbedding):
         return False  # exactly these classes: a subclass may compute something else
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(type(n) is not RMSNorm or not n.fixed_order for n in norms):
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(lin.bias is not None for lin in linears):
         return False
     if not (attn.qkv_proj.fixed_order and mlp.gate_up_proj.fixed_order):
@@ -67,8 +72,7 @@ def _plain_layer(layer, plain: Tuple[type, type, type]) -> bool:
 
 def _shape(layer) -> Optional[tuple]:
     """``(hidden, heads, kv_heads, head_dim, intermediate)`` of this rank's layer, None if its linears disagree."""
-    qkv, o, gate_up, down = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                             layer.mlp.down_proj)
+    qkv, o, gate_up, down = _linears(layer)
     hidden, heads, kv_heads, d = qkv.input_size, qkv.num_heads, qkv.num_kv_heads, qkv.head_dim
     inter = gate_up.output_size_per_partition // 2
     fits = (qkv.output_size_per_partition == (heads + 2 * kv_heads) * d and o.input_size_per_partition == heads * d
@@ -92,14 +96,12 @@ class DecoderStackCPU:
     def __init__(self, layers: List) -> None:
         self.layers = layers
         attn = layers[0].self_attn
-        self.heads, self.kv_heads = attn.qkv_proj.num_heads, attn.qkv_proj.num_kv_heads
-        self.head_dim = attn.qkv_proj.head_dim
-        self.intermediate = layers[0].mlp.gate_up_proj.output_size_per_partition // 2
+        _, self.heads, self.kv_heads, self.head_dim, self.intermediate = _shape(layers[0])
         self.o_projs = [layer.self_attn.o_proj for layer in layers]
         self.down_projs = [layer.mlp.down_proj for layer in layers]
         self.group = attn.o_proj.group
         # every unit on this rank and none padded: the whole stack in one call; else a call per half
-        # layer, the unit partials gathered and added in order between them
+        # layer, the unit partials added in order across ranks between them
         self.one_call = all(r.group.tp_size == 1 and r.num_real_units == r.num_local_units
                             for r in self.o_projs + self.down_projs)
         self.descs = (LayerDesc * len(layers))()
@@ -121,14 +123,9 @@ class DecoderStackCPU:
         return cls(layers) if len(shapes) == 1 and None not in shapes else None  # one work layout for all
 
     def _packed(self) -> List[Tuple[PackedWeight, ...]]:
-        out = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out.append((packed_weight(attn.qkv_proj, attn.qkv_proj.weight),
-                        packed_weight(attn.o_proj, attn.o_proj.weight, attn.o_proj.num_local_units),
-                        packed_weight(mlp.gate_up_proj, mlp.gate_up_proj.weight),
-                        packed_weight(mlp.down_proj, mlp.down_proj.weight, mlp.down_proj.num_local_units)))
-        return out
+        """Each layer's four packed weights (:func:`_linears`' order; row-parallel ones in their units)."""
+        return [tuple(packed_weight(lin, lin.weight, lin.num_local_units if isinstance(lin, RowParallelLinear) else 1)
+                      for lin in _linears(layer)) for layer in self.layers]
 
     def _describe_weights(self) -> Optional[int]:
         """Fill the descriptions' weights; the widest padded linear input, or None for an AMX layout.
@@ -153,9 +150,7 @@ class DecoderStackCPU:
             desc.softcap = float(attn.logit_softcap or 0.0)
             desc.act_op = UNARY_OPS[layer.mlp.act_name]
         self._widest = widest
-        self._weights_fixed = all(is_released(m.weight) for layer in self.layers
-                                  for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        self._weights_fixed = all(is_released(lin.weight) for layer in self.layers for lin in _linears(layer))
         return widest
 
     def _describe_caches(self, caches: list, dtype: torch.dtype, where: list) -> bool:
@@ -210,10 +205,11 @@ class DecoderStackCPU:
         pos = meta.token_positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping(block_size).to(torch.int64).contiguous()
         shape = (self.heads, self.kv_heads, self.head_dim, self.intermediate, widest)
-        if work_bytes(t, DTYPE_CODES[dtype], hidden.shape[1], *shape) > KEPT_WORK_BYTES:
+        nbytes = work_bytes(t, DTYPE_CODES[dtype], hidden.shape[1], *shape)
+        if nbytes > KEPT_WORK_BYTES:
             return None  # a long prefill: the per-op path holds one intermediate at a time
         hidden = hidden.contiguous()
-        args = StepArgs(hidden, shape, slots, tables, block_size, seq, pos, int(meta.max_seq_len))
+        args = StepArgs(hidden, shape, slots, tables, block_size, seq, pos, int(meta.max_seq_len), nbytes)
         if self.one_call:
             return run_decoder_layers(self.descs, args, hidden, None)
         return self._by_halves(args, hidden)

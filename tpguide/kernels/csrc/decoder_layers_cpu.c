@@ -53,19 +53,50 @@ static int64_t elem_threads(const struct tpguide_stack_step *s, int64_t elements
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-/* Bytes of the step's intermediates: qkv, rotated q, attention out, normed, o, gate_up, act (dtype 0:
- * fp32, 2: bf16), and the widened (fp32) or padded input of a linear (the widest of the four). */
+/* The step's intermediates, carved out of s->work in this order (the model dtype): qkv, rotated q,
+ * attention out, normed, o, gate_up, act; then, 64-byte aligned, xbuf: the widened (fp32) or padded
+ * input of a linear. */
+struct stack_buffers {
+    void *qkv, *q_rot, *attn, *normed, *o, *gate_up, *act, *xbuf;
+};
+
+static struct stack_buffers carve(const struct tpguide_stack_step *s) {
+    const int64_t T = s->T, esize = s->dtype == 0 ? 4 : 2;
+    const int64_t hd = s->heads * s->head_dim, qkv_w = hd + 2 * s->kv_heads * s->head_dim;
+    struct stack_buffers b;
+    char *w = (char *)(((uintptr_t)s->work + 63) & ~(uintptr_t)63);
+    b.qkv = w;
+    w += T * qkv_w * esize;
+    b.q_rot = w;
+    w += T * hd * esize;
+    b.attn = w;
+    w += T * hd * esize;
+    b.normed = w;
+    w += T * s->hidden * esize;
+    b.o = w;
+    w += T * s->hidden * esize;
+    b.gate_up = w;
+    w += 2 * T * s->intermediate * esize;
+    b.act = w;
+    w += T * s->intermediate * esize;
+    b.xbuf = (void *)(((uintptr_t)w + 63) & ~(uintptr_t)63);
+    return b;
+}
+
+/* Bytes of s->work for a step of these sizes: carve's layout from address 0, the widest linear input
+ * as fp32 in xbuf (widest_padded_input: the widest units * K_pad), and 128 bytes for the two
+ * alignments of a real base address. */
 int64_t tpguide_stack_work_bytes(int64_t T, int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads,
                                  int64_t head_dim, int64_t intermediate, int64_t widest_padded_input) {
-    const int64_t esize = dtype == 0 ? 4 : 2;
-    const int64_t qkv = (heads + 2 * kv_heads) * head_dim, hd = heads * head_dim;
-    const int64_t widest_in = max3(hidden, hd, intermediate);
-    const int64_t x_floats = max3(widest_in, widest_padded_input, 1);
-    return esize * T * (qkv + 2 * hd + 2 * hidden + 3 * intermediate) + 4 * T * x_floats + 64 * 8;
+    struct tpguide_stack_step s = {0};
+    s.T = T, s.dtype = dtype, s.hidden = hidden, s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim;
+    s.intermediate = intermediate; /* work stays NULL: the layout's offsets */
+    const int64_t x_floats = max3(max3(hidden, heads * head_dim, intermediate), widest_padded_input, 1);
+    return (int64_t)(uintptr_t)carve(&s).xbuf + 4 * T * x_floats + 128;
 }
 
 /* out = linear(x [T, U * unit_size] of the model dtype): sum_units != 0: [T, N] of the model dtype, the
- * units added in order; 0: fp32 [U, T, N], one partial per unit (the row-parallel all-gather's input).
+ * units added in order; 0: fp32 [U, T, N], one partial per unit (for the row-parallel sum across ranks).
  * xbuf: scratch for a widened or padded x. */
 static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int64_t T, int64_t dtype, void *xbuf,
                         void *out, int64_t sum_units, int64_t threads) {
@@ -95,34 +126,6 @@ static int stack_linear(const struct tpguide_linear_desc *w, const void *x, int6
     }
     return tpguide_linear_units_pairs(xb, T, w->units * w->k_pad, (const uint16_t *)w->panels, w->k_pad, w->units,
                                       w->out_features, out, out_dtype, sum_units, PAIR_VDPBF16PS, 0, threads);
-}
-
-/* The step's intermediates, carved out of s->work (tpguide_stack_work_bytes). */
-struct stack_buffers {
-    void *qkv, *q_rot, *attn, *normed, *o, *gate_up, *act, *xbuf;
-};
-
-static struct stack_buffers carve(const struct tpguide_stack_step *s) {
-    const int64_t T = s->T, esize = s->dtype == 0 ? 4 : 2;
-    const int64_t hd = s->heads * s->head_dim, qkv_w = hd + 2 * s->kv_heads * s->head_dim;
-    struct stack_buffers b;
-    char *w = (char *)(((uintptr_t)s->work + 63) & ~(uintptr_t)63);
-    b.qkv = w;
-    w += T * qkv_w * esize;
-    b.q_rot = w;
-    w += T * hd * esize;
-    b.attn = w;
-    w += T * hd * esize;
-    b.normed = w;
-    w += T * s->hidden * esize;
-    b.o = w;
-    w += T * s->hidden * esize;
-    b.gate_up = w;
-    w += 2 * T * s->intermediate * esize;
-    b.act = w;
-    w += T * s->intermediate * esize;
-    b.xbuf = (void *)(((uintptr_t)w + 63) & ~(uintptr_t)63);
-    return b;
 }
 
 /* The attention half of a layer: residual add + norm, qkv, RoPE with the cache write, attention, o_proj
@@ -186,9 +189,9 @@ int tpguide_decoder_layers(const struct tpguide_layer_desc *layers, int64_t n_la
 }
 
 /* One half of one layer at tp > 1, its row-parallel output as fp32 unit partials [U_local, T, N] in
- * partials (the caller all-gathers them and adds the units in order between the halves).
- * half 0: attention (x = the layer's input; first as attention_half); half 1: MLP (x = the gathered
- * o_proj sum, the model dtype).  residual as tpguide_decoder_layers.  Returns 0 or the failing step. */
+ * partials (the caller adds the units in order across ranks between the halves, sum_units).
+ * half 0: attention (x = the layer's input; first as attention_half); half 1: MLP (x = the summed
+ * o_proj output, the model dtype).  residual as tpguide_decoder_layers.  Returns 0 or the failing step. */
 int tpguide_decoder_half(const struct tpguide_layer_desc *layer, const struct tpguide_stack_step *s, int64_t half,
                          const void *x, void *residual, int64_t first, float *partials) {
     const struct stack_buffers b = carve(s);
