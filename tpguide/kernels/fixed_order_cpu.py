@@ -329,7 +329,7 @@ def _copy_zero_padded(dst: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True,
-                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ w.T`` in the fixed order (module docstring); rows of ``x`` never influence each other.
 
     Parameters
@@ -346,13 +346,18 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
         store exactly as ``.to(torch.bfloat16)`` (nearest even; NaN stays NaN), the
         bits of ``linear_fixed_order(x, packed).to(torch.bfloat16)`` without the
         fp32 tensor (docs/architecture.md §6).
+    out : torch.Tensor, optional
+        Where to write the result: contiguous, of the result's shape and
+        ``out_dtype`` (a kept buffer, so a long prefill's chunks do not each
+        allocate one); returned.
 
     Raises
     ------
     ValueError
         ``x``'s width does not match the weight, ``out_dtype`` is not fp32 or
-        bf16 (bf16 with ``sum_units=False``), or the weight is packed for a
-        pair kernel this process lacks (``pack_weight``'s ``isa``).
+        bf16 (bf16 with ``sum_units=False``), the weight is packed for a
+        pair kernel this process lacks (``pack_weight``'s ``isa``), or ``out``
+        has another shape or dtype or is not contiguous.
     """
     m, k = x.shape
     if k != packed.unit_size * packed.num_units:
@@ -364,7 +369,12 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
         raise ValueError(f"out_dtype must be float32, or bfloat16 with sum_units=True, got {out_dtype}")
     lib = _LIB or _load()
     n, u = packed.out_features, packed.num_units
-    out = torch.empty((m, n) if sum_units else (u, m, n), dtype=out_dtype)
+    shape = (m, n) if sum_units else (u, m, n)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype)
+    elif tuple(out.shape) != shape or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {shape}, "
+                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
     if m and packed.amx:
         kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,

@@ -36,7 +36,12 @@ from tpguide.model.attention import Attention, AttentionMetadata
 from tpguide.model.held_weights import is_released
 from tpguide.model.invariant_reduce import packed_weight, sum_units
 from tpguide.model.norm import RMSNorm
-from tpguide.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpguide.model.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    kept_partials,
+)
 from tpguide.model.rotary import RotaryEmbedding
 
 
@@ -229,11 +234,11 @@ class DecoderStackCPU:
             return None
         x, residual = hidden, torch.empty_like(hidden)
         for i, (o_proj, down_proj) in enumerate(zip(self.o_projs, self.down_projs)):
-            partials = torch.empty((o_proj.num_local_units, t, o_proj.output_size), dtype=torch.float32)
+            partials = kept_partials(o_proj.num_local_units, t, o_proj.output_size)  # used until its sum returns
             if not run_decoder_half(self.descs[i], args, 0, x, residual, i == 0, partials):
                 return None
             o = sum_units(partials, o_proj.num_real_units, self.group, hidden.dtype)  # the one communication point
-            partials = torch.empty((down_proj.num_local_units, t, down_proj.output_size), dtype=torch.float32)
+            partials = kept_partials(down_proj.num_local_units, t, down_proj.output_size)
             if not run_decoder_half(self.descs[i], args, 1, o, residual, False, partials):
                 return None
             x = sum_units(partials, down_proj.num_real_units, self.group, hidden.dtype)

@@ -41,7 +41,7 @@ per call or the thread count (docs/architecture.md §6, "Fixed-order reductions"
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -167,7 +167,8 @@ def drop_packed_weights(module: torch.nn.Module) -> None:
             m._packed_weight = None
 
 
-def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object) -> torch.Tensor:
+def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-unit products of this rank's columns.
 
     Parameters
@@ -180,6 +181,8 @@ def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: 
         ``U_local``.
     owner : object
         The layer that caches the packed weight (CPU).
+    out : torch.Tensor, optional
+        CPU only: a contiguous fp32 ``[U_local, T, O]`` to write into (a kept buffer).
 
     Returns
     -------
@@ -193,7 +196,7 @@ def unit_partials(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: 
         xu = x.reshape(x.shape[0], num_units, block).transpose(0, 1)  # [U_local, T, B]
         weight_units = weight.t().reshape(num_units, block, weight.shape[0])  # [U_local, B, O]
         return bmm_fixed_tiling(xu, weight_units)  # fp32 accumulation, one order for every shape
-    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=False)
+    return linear_fixed_order(x, packed_weight(owner, weight, num_units), sum_units=False, out=out)
 
 
 def units_sum_local(x: torch.Tensor, weight: torch.Tensor, num_units: int, owner: object,
@@ -239,7 +242,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, owner: object,
 
 
 def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gather every rank's unit partials and sum the real units in unit order.
 
     Parameters
@@ -254,23 +257,29 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
         CUDA path one all-gather (nothing at tp 1).
     out_dtype : torch.dtype
         The result's dtype: the fp32 sum rounded once (``.to(out_dtype)``).
+    out : torch.Tensor, optional
+        A contiguous ``[T, O]`` of ``out_dtype`` to write the result into
+        (a long prefill's chunk, straight into its rows of the layer's output).
 
     Returns
     -------
     torch.Tensor
-        ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size.
+        ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size
+        (``out`` when given).
     """
     if group.tp_size > 1 and not use_triton(partials):  # CPU: a running sum, not every unit to every rank
-        return chained_units_sum(partials, num_real_units, group, out_dtype)
+        return chained_units_sum(partials, num_real_units, group, out_dtype, out)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
     if use_triton(real):
-        return sum_units_fixed_order_cuda(real, out_dtype)
-    return sum_units_fixed_order(real).to(out_dtype)  # [T, O], unit order
+        result = sum_units_fixed_order_cuda(real, out_dtype)
+    else:
+        result = sum_units_fixed_order(real).to(out_dtype)  # [T, O], unit order
+    return result if out is None else out.copy_(result)
 
 
 def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGroup,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`sum_units`'s result with the running sum passed from rank to rank instead of every unit gathered.
 
     Rank ``r`` holds units ``r * U_local ..``: it receives the fp32 sum of the
@@ -281,7 +290,8 @@ def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGrou
     ``out_dtype`` once and broadcasts it.  Bytes moved: ``[T, O]`` per rank
     instead of ``[tp, U_local, T, O]`` to every rank, and no rank holds the
     other ranks' partials.  ``partials`` fp32 ``[U_local, T, O]`` on CPU;
-    returns ``[T, O]`` of ``out_dtype`` on every rank.  Faster than the
+    returns ``[T, O]`` of ``out_dtype`` on every rank (written into ``out``,
+    a contiguous ``[T, O]`` of ``out_dtype``, when given).  Faster than the
     all-gather on gloo in every case measured (tp 2 and 4, decode steps of the
     embedded model included; docs/benchmarks.md, "The decoder stack in one call").
     """
@@ -291,9 +301,10 @@ def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGrou
     if rank > 0:
         running = collectives.recv_tensor(torch.empty(partials.shape[1:], dtype=torch.float32), rank - 1, group)
     running = sum_units_fixed_order(real, running)  # fp32 [T, O]: every unit so far, in unit order
+    if out is None:
+        out = torch.empty(partials.shape[1:], dtype=out_dtype)
     if rank < tp - 1:
         collectives.send_tensor(running, rank + 1, group)
-        out = torch.empty(partials.shape[1:], dtype=out_dtype)
     else:
-        out = running.to(out_dtype).contiguous()
+        out.copy_(running)  # the one rounding to out_dtype, as .to(out_dtype)
     return collectives.broadcast_tensor(out, group, src=tp - 1)

@@ -28,6 +28,7 @@ from torch import nn
 
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
+from tpguide.kernels.triton_path import use_triton
 from tpguide.model.config import pad_heads
 from tpguide.model.invariant_reduce import (
     invariant_linear,
@@ -39,10 +40,29 @@ from tpguide.model.invariant_reduce import (
 )
 from tpguide.model.weight_slice import Loadable, check_shape, copy_clipped_, default_weight_loader
 
-#: Bytes of gathered fp32 unit partials per all-gather of a TP-invariant row-parallel layer (tp > 1).  At
+#: Bytes of fp32 unit partials per ordered sum of a TP-invariant row-parallel layer (tp > 1): a rank's own
+#: ``[U_local, rows, O]`` on CPU (the chain), the gathered ``[tp, U_local, rows, O]`` on the CUDA path.  At
 #: 32 MiB the ~1 B benchmark's first prefill held about 40 MiB more per rank at its peak than at 8 (with a
 #: 1 MiB mmap threshold); tok/s at tp 2 stayed within the machine's noise (docs/benchmarks.md, "Weights held once").
 PARTIALS_CHUNK_BYTES = 8 << 20
+
+
+def kept_partials(num_units: int, rows: int, out_features: int) -> torch.Tensor:
+    """fp32 ``[num_units, rows, out_features]`` on CPU: a buffer kept per thread and shared by every layer.
+
+    For unit partials that live only until their ordered sum returns (one
+    chunk of a row-parallel layer, one half layer of the decoder stack), so a
+    long prefill does not allocate and free one per chunk and layer: that churn
+    left freed blocks in glibc's heap and raised a tp 2 rank's peak RSS by
+    about 50 MiB on the ~1 B benchmark (docs/benchmarks.md, "Partials in a kept
+    buffer").  Above :data:`PARTIALS_CHUNK_BYTES` the buffer is the call's own.
+    The kernel writes every value, so what the buffer held before changes nothing.
+    """
+    from tpguide.kernels.fixed_order_cpu import kept_scratch
+
+    numel = num_units * rows * out_features
+    buf = kept_scratch("unit_partials", numel, torch.float32, PARTIALS_CHUNK_BYTES // 4)
+    return buf[:numel].view(num_units, rows, out_features)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -270,22 +290,26 @@ class RowParallelLinear(nn.Module):
             packed_weight(self, self.weight, self.num_local_units)
 
     def partials_chunk_rows(self, num_rows: int) -> int:
-        """Rows per unit-partials sum (:func:`~tpguide.model.invariant_reduce.sum_units`): ``[tp, U_local, rows, O]``
-        fp32 within :data:`PARTIALS_CHUNK_BYTES` (at least one row; all ``num_rows`` when they fit), the
-        gathered size of the CUDA path's all-gather (the CPU chain holds only this rank's ``U_local``).
+        """Rows per unit-partials sum (:func:`~tpguide.model.invariant_reduce.sum_units`) within
+        :data:`PARTIALS_CHUNK_BYTES` (at least one row; all ``num_rows`` when they fit): this rank's fp32
+        ``[U_local, rows, O]`` on CPU (the chain holds no other rank's), the gathered ``[tp, U_local, rows, O]``
+        on the CUDA path's all-gather.
 
-        The same on every rank (it depends on shapes only).  Rows never
-        influence each other's sums, so the chunking changes no bit; it bounds a
-        long prefill's transient memory (at tp 2, 1,024 rows of a 2,048-wide
-        ``o_proj`` over 32 heads would gather 256 MiB at once).
+        The same on every rank (it depends on shapes and the device only).
+        Rows never influence each other's sums, so the chunking changes no bit;
+        it bounds a long prefill's transient memory (at tp 2, 1,024 rows of a
+        2,048-wide ``o_proj`` over 32 heads would gather 256 MiB at once).
         """
-        per_row = self.group.tp_size * self.num_local_units * self.output_size * 4
+        gathers = self.group.tp_size if use_triton(self.weight) else 1
+        per_row = gathers * self.num_local_units * self.output_size * 4
         return max(1, min(num_rows, PARTIALS_CHUNK_BYTES // per_row))
 
-    def _gathered_units_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, I/T]`` -> ``[T, O]``: this rank's unit partials, gathered and summed in unit order."""
-        partials = unit_partials(x, self.weight, self.num_local_units, self)  # fp32 [U_local, T, O]
-        return sum_units(partials, self.num_real_units, self.group, x.dtype)  # the one communication point
+    def _gathered_units_sum(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [T, I/T]`` -> ``[T, O]`` (into ``out`` when given): this rank's unit partials, summed across ranks
+        in unit order; on CPU the partials go into :func:`kept_partials`."""
+        kept = None if use_triton(x) else kept_partials(self.num_local_units, x.shape[0], self.output_size)
+        partials = unit_partials(x, self.weight, self.num_local_units, self, kept)  # fp32 [U_local, T, O]
+        return sum_units(partials, self.num_real_units, self.group, x.dtype, out)  # the one communication point
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, input_size_per_partition] -> [T, output_size]`` (summed if ``reduce_results``).
@@ -297,8 +321,12 @@ class RowParallelLinear(nn.Module):
                 y = units_sum_local(x, self.weight, self.num_local_units, self, x.dtype)  # [T, O], no communication
             else:
                 rows = self.partials_chunk_rows(x.shape[0])
-                y = self._gathered_units_sum(x) if rows >= x.shape[0] else torch.cat(
-                    [self._gathered_units_sum(chunk) for chunk in x.split(rows)])  # a long prefill, in chunks
+                if rows >= x.shape[0]:
+                    y = self._gathered_units_sum(x)
+                else:  # a long prefill, in chunks, each sum written into its rows
+                    y = torch.empty((x.shape[0], self.output_size), dtype=x.dtype, device=x.device)
+                    for start in range(0, x.shape[0], rows):
+                        self._gathered_units_sum(x[start:start + rows], y[start:start + rows])
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:
