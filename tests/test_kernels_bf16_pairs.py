@@ -31,7 +31,10 @@ from tpguide.kernels.fixed_order_cpu import (
     pack_weight,
 )
 
-SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 64, 130, 2)]  # (M, N, K, units): odd K_unit too
+#: (M, N, K, units): odd K_unit too; 9 .. 64 rows take the kernel's few-row-blocks path, whose k blocks of
+#: 128 pairs the 600- and 520-wide rows cross (65 rows and more, or 8 and fewer, take the one-tile path).
+SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 70, 600, 2), (64, 33, 520, 1), (65, 17, 300, 3),
+          (20, 64, 130, 2)]
 
 
 def bf16_bits(shape, seed, edge, huge=False):

@@ -1145,6 +1145,87 @@ static void pair_units_dpbf16(int mr, const uint16_t *x, int64_t ldx, const uint
     default: pair_units_rows(1, x, ldx, w, unit_stride, K_pad, U, total_out); break;
     }
 }
+/* Pairs [p0, p1) of one panel added on to acc (rows [0, mr), from memory: exact fp32 in and out), so a
+ * chain split into k blocks is the unsplit chain's operations in its order.  pf: where the prefetch
+ * reads meanwhile (the panel's next k block, from memory), NULL for none. */
+static inline __attribute__((always_inline)) void pair_block_rows(const int mr, const uint16_t *x, int64_t ldx,
+                                                                  const uint16_t *w, int64_t p0, int64_t p1,
+                                                                  const uint16_t *pf, float acc[MR][NB]) {
+    __m512 a0[MR], a1[MR];
+    for (int r = 0; r < mr; r++) {
+        a0[r] = _mm512_loadu_ps(acc[r]);
+        a1[r] = _mm512_loadu_ps(acc[r] + 16);
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        if (pf) prefetch_bytes((const char *)(pf + (p - p0) * NB * 2), NB * 2 * 2);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2 + 32));
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(acc[r], a0[r]);
+        _mm512_storeu_ps(acc[r] + 16, a1[r]);
+    }
+}
+static void pair_block(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t p0, int64_t p1,
+                       const uint16_t *pf, float acc[MR][NB]) {
+    switch (mr) {
+    case 8: pair_block_rows(8, x, ldx, w, p0, p1, pf, acc); break;
+    case 7: pair_block_rows(7, x, ldx, w, p0, p1, pf, acc); break;
+    case 6: pair_block_rows(6, x, ldx, w, p0, p1, pf, acc); break;
+    case 5: pair_block_rows(5, x, ldx, w, p0, p1, pf, acc); break;
+    case 4: pair_block_rows(4, x, ldx, w, p0, p1, pf, acc); break;
+    case 3: pair_block_rows(3, x, ldx, w, p0, p1, pf, acc); break;
+    case 2: pair_block_rows(2, x, ldx, w, p0, p1, pf, acc); break;
+    default: pair_block_rows(1, x, ldx, w, p0, p1, pf, acc); break;
+    }
+}
+
+#define KB_PAIRS 128 /* k pairs per block of the few-row-blocks path: 16 KiB of a panel, kept in L1 */
+#define RB_MAX 4     /* the few-row-blocks path: 2 .. RB_MAX row blocks (9 .. 32 rows), units of KB_PAIRS pairs or more */
+
+/* One panel for all R (2 .. RB_MAX) row blocks at once, k in blocks of KB_PAIRS: each block of the
+ * panel is read from memory once, for the first row block (prefetching the next block meanwhile), then
+ * from L1 for the others, so the weight stream overlaps the arithmetic instead of preceding it (a decode
+ * step of 9-64 rows reads each weight once).  Every element's chain is pair_tile_rows' in its order, its
+ * units added as unit_done adds them. */
+static void pair_panel_row_blocks(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
+                                  int64_t U, int64_t P, int64_t N, int64_t p, void *out, int64_t out_dtype,
+                                  int64_t sum_units) {
+    float acc[RB_MAX][MR][NB], total[RB_MAX][MR][NB];
+    const int64_t R = (M + MR - 1) / MR, pairs = K_pad / 2, n0 = p * NB;
+    const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+    for (int64_t u = 0; u < U; u++) {
+        const uint16_t *wu = w + (u * P + p) * K_pad * NB;
+        memset(acc, 0, sizeof(acc[0]) * R);
+        for (int64_t q0 = 0; q0 < pairs; q0 += KB_PAIRS) {
+            const int64_t q1 = q0 + KB_PAIRS < pairs ? q0 + KB_PAIRS : pairs;
+            const uint16_t *next = q1 < pairs ? wu + q1 * NB * 2 : (u + 1 < U ? wu + P * K_pad * NB : NULL);
+            for (int64_t rb = 0; rb < R; rb++) {
+                const int64_t m0 = rb * MR;
+                const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+                pair_block(mr, x + m0 * ldx + u * K_pad, ldx, wu, q0, q1, rb == 0 ? next : NULL, acc[rb]);
+            }
+        }
+        for (int64_t rb = 0; rb < R; rb++) {
+            const int64_t m0 = rb * MR;
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            unit_done(acc[rb], total[rb], u, sum_units, sum_units ? (float *)out : (float *)out + u * M * N, N, m0,
+                      n0, mr, nb);
+        }
+    }
+    if (sum_units)
+        for (int64_t rb = 0; rb < R; rb++) {
+            const int64_t m0 = rb * MR;
+            store_tile(total[rb], out, out_dtype, N, m0, n0, (int)(M - m0 < MR ? M - m0 : MR), nb);
+        }
+}
 static void pair_tile_dpbf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K_pad,
                              float acc_out[MR][NB]) {
     switch (mr) {
@@ -1184,6 +1265,14 @@ int tpguide_linear_units_pairs(const uint16_t *x, int64_t M, int64_t ldx, const 
     if (!emulate && (!tpguide_has_dpbf16() || instruction != PAIR_VDPBF16PS)) return -1;
     const int64_t P = (N + NB - 1) / NB;
     const int64_t R = (M + MR - 1) / MR;
+#if defined(USE_AVX512_BF16)
+    if (!emulate && R >= 2 && R <= RB_MAX && K_pad / 2 >= KB_PAIRS) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < P; p++)
+            pair_panel_row_blocks(x, M, ldx, w, K_pad, U, P, N, p, out, out_dtype, sum_units);
+        return 0;
+    }
+#endif
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < P; p++) {
         for (int64_t rb = 0; rb < R; rb++) {
