@@ -57,3 +57,17 @@ def test_one_buffer_is_kept_for_every_layer_and_a_large_one_is_not(monkeypatch):
     again = kept_partials(3, 10, 40)
     assert big.data_ptr() != first.data_ptr() and again.data_ptr() != first.data_ptr()
     assert kept_partials(1, 10, 60).data_ptr() == first.data_ptr()  # the kept one is still there
+
+
+def test_sum_units_writes_into_out_and_refuses_a_bad_one():
+    from tpguide.dist import TPGroup
+    from tpguide.model.invariant_reduce import sum_units
+
+    partials = randn(3, 4, 5, seed=3)
+    out = torch.empty(4, 5, dtype=torch.bfloat16)
+    got = sum_units(partials, 3, TPGroup(), torch.bfloat16, out=out)
+    assert got is out and torch.equal(out, sum_units(partials, 3, TPGroup(), torch.bfloat16))
+    with pytest.raises(ValueError, match=r"shape \(4, 5\).*got torch.float32 \(4, 5\)"):
+        sum_units(partials, 3, TPGroup(), torch.bfloat16, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="contiguous: False"):
+        sum_units(partials, 3, TPGroup(), torch.float32, out=torch.empty(5, 4).t())

@@ -31,9 +31,11 @@ from tpguide.kernels.fixed_order_cpu import (
     pack_weight,
 )
 
-#: (M, N, K, units): odd K_unit too; 9 .. 64 rows take the kernel's few-row-blocks path, whose k blocks of
-#: 128 pairs the 600- and 520-wide rows cross (65 rows and more, or 8 and fewer, take the one-tile path).
-SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 70, 600, 2), (64, 33, 520, 1), (65, 17, 300, 3),
+#: (M, N, K, units): odd K_unit too.  9 .. 32 rows with units of 128 k pairs or more take the kernel's
+#: few-row-blocks path (k in blocks of 128 pairs): 2, 3 and 4 row blocks, a last block of fewer than 8
+#: rows, one unit and two, pairs crossing a block and a multiple of it; 64 and 65 rows take the one-tile path.
+SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 70, 600, 2), (10, 40, 256, 1), (32, 70, 514, 2),
+          (27, 33, 300, 1), (64, 33, 520, 1), (65, 17, 300, 3),
           (20, 64, 130, 2)]
 
 
@@ -160,16 +162,16 @@ def test_vdpbf16ps_kernel_equals_the_emulation(m, n, k, units, edge):
     packed = pack_weight(w, units, isa="avx512_bf16")
     xb = fixed_order_cpu._pair_rows(x, packed)
     kp = packed.padded_unit_size
-    for sum_units in (1, 0):
+    for sum_units, out_dtype in ((1, torch.float32), (1, torch.bfloat16), (0, torch.float32)):
         for threads in (1, 2):
             outs = []
             for emulate in (0, 1):
-                out = torch.empty((m, n) if sum_units else (units, m, n), dtype=torch.float32)
+                out = torch.empty((m, n) if sum_units else (units, m, n), dtype=out_dtype)
                 assert lib.tpguide_linear_units_pairs(xb.data_ptr(), m, units * kp, packed.panels.data_ptr(), kp,
-                                                      units, n, out.data_ptr(), 0, sum_units,
-                                                      PAIR_INSTRUCTIONS["VDPBF16PS"], emulate, threads) == 0
-                outs.append(out)
-            assert bits_equal(*outs), (sum_units, threads)
+                                                      units, n, out.data_ptr(), fixed_order_cpu.DTYPE_CODES[out_dtype],
+                                                      sum_units, PAIR_INSTRUCTIONS["VDPBF16PS"], emulate, threads) == 0
+                outs.append(out.float())
+            assert bits_equal(*outs), (sum_units, out_dtype, threads)
 
 
 def test_tdpbf16ps_kernel_equals_the_emulation():

@@ -328,6 +328,13 @@ def _copy_zero_padded(dst: torch.Tensor, rows: torch.Tensor) -> None:
         dst[..., unit:].zero_()
 
 
+def check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ``ValueError`` naming the values unless ``out`` is a contiguous ``shape`` tensor of ``dtype`` on ``device``."""
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on {device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
+
+
 def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = True,
                        out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ w.T`` in the fixed order (module docstring); rows of ``x`` never influence each other.
@@ -372,9 +379,8 @@ def linear_fixed_order(x: torch.Tensor, packed: PackedWeight, sum_units: bool = 
     shape = (m, n) if sum_units else (u, m, n)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype)
-    elif tuple(out.shape) != shape or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {shape}, "
-                         f"got {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+    else:
+        check_out(out, shape, out_dtype, x.device)
     if m and packed.amx:
         kp, xb = packed.padded_unit_size, _pair_rows(x, packed)
         status = lib.tpguide_linear_units_amx(xb.data_ptr(), m, u * kp, packed.panels.data_ptr(), kp, u, n,

@@ -49,6 +49,7 @@ from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
 from tpguide.kernels.fixed_order_cpu import (
     PackedWeight,
+    check_out,
     linear_fixed_order,
     pack_weight,
     sum_units_fixed_order,
@@ -267,6 +268,8 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
         ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size
         (``out`` when given).
     """
+    if out is not None:
+        check_out(out, tuple(partials.shape[1:]), out_dtype, partials.device)
     if group.tp_size > 1 and not use_triton(partials):  # CPU: a running sum, not every unit to every rank
         return chained_units_sum(partials, num_real_units, group, out_dtype, out)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
@@ -296,6 +299,8 @@ def chained_units_sum(partials: torch.Tensor, num_real_units: int, group: TPGrou
     embedded model included; docs/benchmarks.md, "The decoder stack in one call").
     """
     rank, tp, local = group.tp_rank, group.tp_size, partials.shape[0]
+    if out is not None:
+        check_out(out, tuple(partials.shape[1:]), out_dtype, partials.device)
     real = partials[:max(0, min(local, num_real_units - rank * local))]  # [U_real_here, T, O]
     running = None
     if rank > 0:
