@@ -1188,12 +1188,12 @@ static void pair_block(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w
 }
 
 #define KB_PAIRS 128 /* k pairs per block of the few-row-blocks path: 16 KiB of a panel, kept in L1 */
-#define RB_MAX 4     /* the few-row-blocks path: 2 .. RB_MAX row blocks (9 .. 32 rows), units of KB_PAIRS pairs or more */
+#define RB_MAX 8     /* the few-row-blocks path: 2 .. RB_MAX row blocks (9 .. 64 rows), units of KB_PAIRS pairs or more */
 
 /* One panel for all R (2 .. RB_MAX) row blocks at once, k in blocks of KB_PAIRS: each block of the
  * panel is read from memory once, for the first row block (prefetching the next block meanwhile), then
  * from L1 for the others, so the weight stream overlaps the arithmetic instead of preceding it (a decode
- * step of 9-32 rows reads each weight once).  Every element's chain is pair_tile_rows' in its order, its
+ * step of 9-64 rows reads each weight once).  Every element's chain is pair_tile_rows' in its order, its
  * units added as unit_done adds them. */
 static void pair_panel_row_blocks(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
                                   int64_t U, int64_t P, int64_t N, int64_t p, void *out, int64_t out_dtype,
