@@ -54,8 +54,8 @@ def kept_partials(num_units: int, rows: int, out_features: int) -> torch.Tensor:
     chunk of a row-parallel layer, one half layer of the decoder stack), so a
     long prefill does not allocate and free one per chunk and layer: that churn
     left freed blocks in glibc's heap and raised a tp 2 rank's peak RSS by
-    about 50 MiB on the ~1 B benchmark (docs/benchmarks.md, "Partials in a kept
-    buffer").  Above :data:`PARTIALS_CHUNK_BYTES` the buffer is the call's own.
+    about 50 MiB on the ~1 B benchmark (docs/benchmarks.md, "Decode-size tiles
+    and kept partials").  Above :data:`PARTIALS_CHUNK_BYTES` the buffer is the call's own.
     The kernel writes every value, so what the buffer held before changes nothing.
     """
     from tpguide.kernels.fixed_order_cpu import kept_scratch
