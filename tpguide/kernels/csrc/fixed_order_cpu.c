@@ -46,6 +46,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
 }
 #define PREFETCH_KEYS 16  /* attention: cache rows read this many keys ahead */
 #define PREFETCH_PAIRS 16 /* VDPBF16PS tile: weight k pairs ahead (2 KiB) */
+#define PREFETCH_UNIT_PAIRS 64 /* VDPBF16PS summed units: k pairs ahead (8 KiB; at most a unit, so into the next) */
 #define PREFETCH_ROWS 16  /* AVX-512 and AVX2 fmaf tiles: weight k rows ahead (1-2 KiB) */
 
 #define NB 32   /* columns per weight panel */
@@ -1104,13 +1105,14 @@ static inline __attribute__((always_inline)) void pair_units_rows(const int mr, 
                                                                   int64_t K_pad, int64_t U, float total_out[MR][NB]) {
     __m512 t0[MR], t1[MR];
     const int64_t pairs = K_pad / 2;
+    const int64_t dist = pairs < PREFETCH_UNIT_PAIRS ? pairs : PREFETCH_UNIT_PAIRS;
     for (int64_t u = 0; u < U; u++) {
         const uint16_t *xu = x + u * K_pad, *wu = w + u * unit_stride;
         const uint16_t *wn = u + 1 < U ? wu + unit_stride : wu + pairs * NB * 2;
         __m512 a0[MR], a1[MR];
         for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; p++) {
-            const int64_t q = p + PREFETCH_PAIRS;
+            const int64_t q = p + dist;
             prefetch_bytes((const char *)(q < pairs ? wu + q * NB * 2 : wn + (q - pairs) * NB * 2), NB * 2 * 2);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(wu + p * NB * 2));
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(wu + p * NB * 2 + 32));
