@@ -33,9 +33,10 @@ from tpguide.kernels.fixed_order_cpu import (
 
 #: (M, N, K, units): odd K_unit too.  9 .. 64 rows with units of 128 k pairs or more take the kernel's
 #: few-row-blocks path (k in blocks of 128 pairs): 2, 3, 4 and 8 row blocks, a last block of fewer than 8
-#: rows, one unit and two, pairs crossing a block and a multiple of it; 65 rows take the one-tile path.
+#: rows, one unit and two, pairs crossing a block and a multiple of it; 65 rows (9 row blocks, 150-pair units)
+#: take the one-tile path.
 SHAPES = [(1, 33, 16, 1), (9, 70, 37, 1), (13, 40, 90, 6), (20, 70, 600, 2), (10, 40, 256, 1), (32, 70, 514, 2),
-          (27, 33, 300, 1), (64, 33, 520, 1), (65, 17, 300, 3),
+          (27, 33, 300, 1), (64, 33, 520, 1), (65, 17, 600, 2),
           (20, 64, 130, 2)]
 
 
