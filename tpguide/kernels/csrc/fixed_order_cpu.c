@@ -45,8 +45,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
     for (; line < p + n; line += 64) __builtin_prefetch(line, 0, 3);
 }
 #define PREFETCH_KEYS 16  /* attention: cache rows read this many keys ahead */
-#define PREFETCH_PAIRS 16 /* VDPBF16PS tile: weight k pairs ahead (2 KiB) */
-#define PREFETCH_UNIT_PAIRS 64 /* VDPBF16PS summed units: k pairs ahead (8 KiB; at most a unit, so into the next) */
+#define PREFETCH_PAIRS 64 /* VDPBF16PS tiles: weight k pairs ahead (8 KiB; summed units: at most a unit, into the next) */
 #define PREFETCH_ROWS 16  /* AVX-512 and AVX2 fmaf tiles: weight k rows ahead (1-2 KiB) */
 
 #define NB 32   /* columns per weight panel */
@@ -1105,7 +1104,7 @@ static inline __attribute__((always_inline)) void pair_units_rows(const int mr, 
                                                                   int64_t K_pad, int64_t U, float total_out[MR][NB]) {
     __m512 t0[MR], t1[MR];
     const int64_t pairs = K_pad / 2;
-    const int64_t dist = pairs < PREFETCH_UNIT_PAIRS ? pairs : PREFETCH_UNIT_PAIRS;
+    const int64_t dist = pairs < PREFETCH_PAIRS ? pairs : PREFETCH_PAIRS;
     for (int64_t u = 0; u < U; u++) {
         const uint16_t *xu = x + u * K_pad, *wu = w + u * unit_stride;
         const uint16_t *wn = u + 1 < U ? wu + unit_stride : wu + pairs * NB * 2;
