@@ -1073,32 +1073,31 @@ static void pair_tile_emulated(int mr, const uint16_t *x, int64_t ldx, const uin
 #define USE_AVX512_BF16 1
 /* VDPBF16PS tile: one zmm lane per output column (16 columns' k pairs per weight register), the rows'
  * accumulators in registers, each row's x pair broadcast; one instruction per pair and 16 columns. */
-static inline __attribute__((always_inline)) void pair_tile_rows(const int mr, const uint16_t *x, int64_t ldx,
-                                                                 const uint16_t *w, int64_t K_pad,
-                                                                 float acc_out[MR][NB]) {
-    __m512 a0[MR], a1[MR];
-    for (int r = 0; r < mr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K_pad / 2; p++) {
-        prefetch_bytes((const char *)(w + (p + PREFETCH_PAIRS) * NB * 2), NB * 2 * 2);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2));
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + p * NB * 2 + 32));
-        for (int r = 0; r < mr; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * ldx + 2 * p, 4);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);
-            a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
-        }
-    }
+static inline __attribute__((always_inline)) void pair_store(const int mr, const __m512 a0[MR], const __m512 a1[MR],
+                                                             float out[MR][NB]) {
     for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(acc_out[r], a0[r]);
-        _mm512_storeu_ps(acc_out[r] + 16, a1[r]);
+        _mm512_storeu_ps(out[r], a0[r]);
+        _mm512_storeu_ps(out[r] + 16, a1[r]);
     }
 }
-/* The units of one panel summed in registers (sum_units): unit u's tile from zero as pair_tile_rows,
- * then total = acc (u == 0) or total + acc, units ascending: the same fp32 operations as
- * pair_tile_rows then unit_done, without a trip through memory between units.  w: the panel of unit 0,
- * unit u's at w + u * unit_stride; the prefetch runs on into the next unit's panel. */
+/* FN(mr, ...) with mr a constant 1..8, so each row count gets its own unrolled tile. */
+#define PAIR_ROWS_DISPATCH(FN, mr, ...)          \
+    switch (mr) {                                \
+    case 8: FN(8, __VA_ARGS__); break;           \
+    case 7: FN(7, __VA_ARGS__); break;           \
+    case 6: FN(6, __VA_ARGS__); break;           \
+    case 5: FN(5, __VA_ARGS__); break;           \
+    case 4: FN(4, __VA_ARGS__); break;           \
+    case 3: FN(3, __VA_ARGS__); break;           \
+    case 2: FN(2, __VA_ARGS__); break;           \
+    default: FN(1, __VA_ARGS__); break;          \
+    }
+/* The units of one panel summed in registers (sum_units): unit u's chain from zero over its pairs,
+ * then total = acc (u == 0) or total + acc, units ascending: the same fp32 operations as a tile per
+ * unit then unit_done, without a trip through memory between units.  w: the panel of unit 0, unit u's
+ * at w + u * unit_stride; the prefetch runs on into the next unit's panel.  Its pair step is
+ * pair_block_rows' written out again on purpose: through a shared inline helper (the accumulators
+ * passed as arrays) GCC kept fewer of its 32 accumulators in registers and o_proj ran 1.4x slower. */
 static inline __attribute__((always_inline)) void pair_units_rows(const int mr, const uint16_t *x, int64_t ldx,
                                                                   const uint16_t *w, int64_t unit_stride,
                                                                   int64_t K_pad, int64_t U, float total_out[MR][NB]) {
@@ -1128,34 +1127,24 @@ static inline __attribute__((always_inline)) void pair_units_rows(const int mr, 
             t1[r] = u == 0 ? a1[r] : _mm512_add_ps(t1[r], a1[r]);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(total_out[r], t0[r]);
-        _mm512_storeu_ps(total_out[r] + 16, t1[r]);
-    }
+    pair_store(mr, t0, t1, total_out);
 }
 static void pair_units_dpbf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t unit_stride,
                               int64_t K_pad, int64_t U, float total_out[MR][NB]) {
-    switch (mr) {
-    case 8: pair_units_rows(8, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 7: pair_units_rows(7, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 6: pair_units_rows(6, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 5: pair_units_rows(5, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 4: pair_units_rows(4, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 3: pair_units_rows(3, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    case 2: pair_units_rows(2, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    default: pair_units_rows(1, x, ldx, w, unit_stride, K_pad, U, total_out); break;
-    }
+    PAIR_ROWS_DISPATCH(pair_units_rows, mr, x, ldx, w, unit_stride, K_pad, U, total_out)
 }
-/* Pairs [p0, p1) of one panel added on to acc (rows [0, mr), from memory: exact fp32 in and out), so a
- * chain split into k blocks is the unsplit chain's operations in its order.  pf: where the prefetch
- * reads meanwhile (the panel's next k block, from memory), NULL for none. */
+/* Pairs [p0, p1) of one panel into acc (rows [0, mr)): from zero (from_zero), or added on to acc
+ * (from memory: exact fp32 in and out), so a chain split into k blocks is the unsplit chain's
+ * operations in its order.  pf: where the prefetch reads meanwhile, pair p at pf + (p - p0) pairs
+ * (the panel's next k block, or further on in the panel), NULL for none. */
 static inline __attribute__((always_inline)) void pair_block_rows(const int mr, const uint16_t *x, int64_t ldx,
                                                                   const uint16_t *w, int64_t p0, int64_t p1,
-                                                                  const uint16_t *pf, float acc[MR][NB]) {
+                                                                  const uint16_t *pf, int from_zero,
+                                                                  float acc[MR][NB]) {
     __m512 a0[MR], a1[MR];
     for (int r = 0; r < mr; r++) {
-        a0[r] = _mm512_loadu_ps(acc[r]);
-        a1[r] = _mm512_loadu_ps(acc[r] + 16);
+        a0[r] = from_zero ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[r]);
+        a1[r] = from_zero ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[r] + 16);
     }
     for (int64_t p = p0; p < p1; p++) {
         if (pf) prefetch_bytes((const char *)(pf + (p - p0) * NB * 2), NB * 2 * 2);
@@ -1169,23 +1158,11 @@ static inline __attribute__((always_inline)) void pair_block_rows(const int mr, 
             a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(acc[r], a0[r]);
-        _mm512_storeu_ps(acc[r] + 16, a1[r]);
-    }
+    pair_store(mr, a0, a1, acc);
 }
 static void pair_block(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t p0, int64_t p1,
-                       const uint16_t *pf, float acc[MR][NB]) {
-    switch (mr) {
-    case 8: pair_block_rows(8, x, ldx, w, p0, p1, pf, acc); break;
-    case 7: pair_block_rows(7, x, ldx, w, p0, p1, pf, acc); break;
-    case 6: pair_block_rows(6, x, ldx, w, p0, p1, pf, acc); break;
-    case 5: pair_block_rows(5, x, ldx, w, p0, p1, pf, acc); break;
-    case 4: pair_block_rows(4, x, ldx, w, p0, p1, pf, acc); break;
-    case 3: pair_block_rows(3, x, ldx, w, p0, p1, pf, acc); break;
-    case 2: pair_block_rows(2, x, ldx, w, p0, p1, pf, acc); break;
-    default: pair_block_rows(1, x, ldx, w, p0, p1, pf, acc); break;
-    }
+                       const uint16_t *pf, int from_zero, float acc[MR][NB]) {
+    PAIR_ROWS_DISPATCH(pair_block_rows, mr, x, ldx, w, p0, p1, pf, from_zero, acc)
 }
 
 #define KB_PAIRS 128 /* k pairs per block of the few-row-blocks path: 16 KiB of a panel, kept in L1 */
@@ -1194,7 +1171,7 @@ static void pair_block(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w
 /* One panel for all R (2 .. RB_MAX) row blocks at once, k in blocks of KB_PAIRS: each block of the
  * panel is read from memory once, for the first row block (prefetching the next block meanwhile), then
  * from L1 for the others, so the weight stream overlaps the arithmetic instead of preceding it (a decode
- * step of 9-64 rows reads each weight once).  Every element's chain is pair_tile_rows' in its order, its
+ * step of 9-64 rows reads each weight once).  Every element's chain is the one-tile path's in its order, its
  * units added as unit_done adds them. */
 static void pair_panel_row_blocks(const uint16_t *x, int64_t M, int64_t ldx, const uint16_t *w, int64_t K_pad,
                                   int64_t U, int64_t P, int64_t N, int64_t p, void *out, int64_t out_dtype,
@@ -1211,7 +1188,7 @@ static void pair_panel_row_blocks(const uint16_t *x, int64_t M, int64_t ldx, con
             for (int64_t rb = 0; rb < R; rb++) {
                 const int64_t m0 = rb * MR;
                 const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-                pair_block(mr, x + m0 * ldx + u * K_pad, ldx, wu, q0, q1, rb == 0 ? next : NULL, acc[rb]);
+                pair_block(mr, x + m0 * ldx + u * K_pad, ldx, wu, q0, q1, rb == 0 ? next : NULL, 0, acc[rb]);
             }
         }
         for (int64_t rb = 0; rb < R; rb++) {
@@ -1226,19 +1203,6 @@ static void pair_panel_row_blocks(const uint16_t *x, int64_t M, int64_t ldx, con
             const int64_t m0 = rb * MR;
             store_tile(total[rb], out, out_dtype, N, m0, n0, (int)(M - m0 < MR ? M - m0 : MR), nb);
         }
-}
-static void pair_tile_dpbf16(int mr, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K_pad,
-                             float acc_out[MR][NB]) {
-    switch (mr) {
-    case 8: pair_tile_rows(8, x, ldx, w, K_pad, acc_out); break;
-    case 7: pair_tile_rows(7, x, ldx, w, K_pad, acc_out); break;
-    case 6: pair_tile_rows(6, x, ldx, w, K_pad, acc_out); break;
-    case 5: pair_tile_rows(5, x, ldx, w, K_pad, acc_out); break;
-    case 4: pair_tile_rows(4, x, ldx, w, K_pad, acc_out); break;
-    case 3: pair_tile_rows(3, x, ldx, w, K_pad, acc_out); break;
-    case 2: pair_tile_rows(2, x, ldx, w, K_pad, acc_out); break;
-    default: pair_tile_rows(1, x, ldx, w, K_pad, acc_out); break;
-    }
 }
 #endif
 
@@ -1294,8 +1258,8 @@ int tpguide_linear_units_pairs(const uint16_t *x, int64_t M, int64_t ldx, const 
                 const uint16_t *xu = x + m0 * ldx + u * K_pad;
                 const uint16_t *wu = w + (u * P + p) * K_pad * NB;
 #if defined(USE_AVX512_BF16)
-                if (!emulate)
-                    pair_tile_dpbf16(mr, xu, ldx, wu, K_pad, acc);
+                if (!emulate) /* one unit's chain from zero, the prefetch PREFETCH_PAIRS ahead in its panel */
+                    pair_block(mr, xu, ldx, wu, 0, K_pad / 2, wu + PREFETCH_PAIRS * NB * 2, 1, acc);
                 else
 #endif
                     pair_tile_emulated(mr, xu, ldx, wu, K_pad, (int)instruction, acc);
