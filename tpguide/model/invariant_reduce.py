@@ -268,10 +268,10 @@ def sum_units(partials: torch.Tensor, num_real_units: int, group: TPGroup,
         ``[T, O]`` of ``out_dtype``, identical on every rank and at every tp size
         (``out`` when given).
     """
+    if group.tp_size > 1 and not use_triton(partials):  # CPU: a running sum, not every unit to every rank
+        return chained_units_sum(partials, num_real_units, group, out_dtype, out)  # checks out itself
     if out is not None:
         check_out(out, tuple(partials.shape[1:]), out_dtype, partials.device)
-    if group.tp_size > 1 and not use_triton(partials):  # CPU: a running sum, not every unit to every rank
-        return chained_units_sum(partials, num_real_units, group, out_dtype, out)
     gathered = collectives.all_gather_stacked(partials, group).flatten(0, 1)  # [tp * U_local, T, O]
     real = gathered[:num_real_units]
     if use_triton(real):

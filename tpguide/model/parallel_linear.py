@@ -28,6 +28,7 @@ from torch import nn
 
 from tpguide.dist import TPGroup
 from tpguide.dist import group as collectives
+from tpguide.kernels.fixed_order_cpu import kept_scratch
 from tpguide.kernels.triton_path import use_triton
 from tpguide.model.config import pad_heads
 from tpguide.model.invariant_reduce import (
@@ -58,8 +59,6 @@ def kept_partials(num_units: int, rows: int, out_features: int) -> torch.Tensor:
     and kept partials").  Above :data:`PARTIALS_CHUNK_BYTES` the buffer is the call's own.
     The kernel writes every value, so what the buffer held before changes nothing.
     """
-    from tpguide.kernels.fixed_order_cpu import kept_scratch
-
     numel = num_units * rows * out_features
     buf = kept_scratch("unit_partials", numel, torch.float32, PARTIALS_CHUNK_BYTES // 4)
     return buf[:numel].view(num_units, rows, out_features)
@@ -304,7 +303,7 @@ class RowParallelLinear(nn.Module):
         per_row = gathers * self.num_local_units * self.output_size * 4
         return max(1, min(num_rows, PARTIALS_CHUNK_BYTES // per_row))
 
-    def _gathered_units_sum(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _units_sum_across_ranks(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [T, I/T]`` -> ``[T, O]`` (into ``out`` when given): this rank's unit partials, summed across ranks
         in unit order; on CPU the partials go into :func:`kept_partials`."""
         kept = None if use_triton(x) else kept_partials(self.num_local_units, x.shape[0], self.output_size)
@@ -322,11 +321,11 @@ class RowParallelLinear(nn.Module):
             else:
                 rows = self.partials_chunk_rows(x.shape[0])
                 if rows >= x.shape[0]:
-                    y = self._gathered_units_sum(x)
+                    y = self._units_sum_across_ranks(x)
                 else:  # a long prefill, in chunks, each sum written into its rows
                     y = torch.empty((x.shape[0], self.output_size), dtype=x.dtype, device=x.device)
                     for start in range(0, x.shape[0], rows):
-                        self._gathered_units_sum(x[start:start + rows], y[start:start + rows])
+                        self._units_sum_across_ranks(x[start:start + rows], y[start:start + rows])
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)
         if self.reduce_results:
